@@ -1,0 +1,54 @@
+"""Typed errors of kvplane. Every message names the field, the value it had, and how to fix it.
+
+Callers catch ``KvplaneError`` for anything kvplane rejects; the subclasses say which layer rejected it.
+Input is never checked with ``assert``.
+"""
+
+
+class KvplaneError(Exception):
+    """Base class of every error kvplane raises on purpose."""
+
+
+class SpecError(KvplaneError, ValueError):
+    """A KV spec is inconsistent (groups, layers, slots)."""
+
+
+class LayoutError(KvplaneError, ValueError):
+    """An engine tensor does not have the shape, dtype or strides its layout spec requires."""
+
+
+class ManifestMismatch(KvplaneError, ValueError):
+    """Two manifests cannot exchange KV: a field differs. Carries the field and both values."""
+
+    def __init__(self, field: str, local: object, remote: object, fix: str = "") -> None:
+        self.field, self.local, self.remote = field, local, remote
+        message = f"manifest field {field!r} differs: local={local!r}, remote={remote!r}"
+        super().__init__(f"{message}. {fix}" if fix else message)
+
+
+class ManifestDecodeError(KvplaneError, ValueError):
+    """Bytes that should hold a manifest do not decode to one."""
+
+
+class BlockError(KvplaneError, ValueError):
+    """Block pool misuse: double free, unknown id, freeing a referenced block, pool exhausted."""
+
+
+class PoolExhausted(BlockError):
+    """No free or evictable block is left for an allocation."""
+
+
+class PlanError(KvplaneError, ValueError):
+    """A copy plan is malformed or does not cover exactly the bytes a request needs."""
+
+
+class BackendError(KvplaneError, RuntimeError):
+    """Backend discovery, selection or a backend primitive failed."""
+
+
+class BackendUnavailable(BackendError):
+    """The requested backend is installed but cannot run here (missing device package, no device)."""
+
+
+class UnknownBackend(BackendError):
+    """No installed backend has the requested name."""
