@@ -1,0 +1,64 @@
+"""The cpu backend: host memory is its "device", copies are real memcpy on ordered worker streams."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from kvplane.backend.base import Backend, Probe, Stream
+from kvplane.backend.cpu.memcpy import copy_plan, default_threads
+from kvplane.backend.cpu.streams import CpuEvent, HostStream, WorkerStream
+from kvplane.errors import BackendError
+from kvplane.plan.descriptors import CopyPlan
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    torch_device_type = "cpu"
+    is_accelerator = False
+    collective_backend = "gloo"
+    mooncake_protocol = "tcp"
+    nixl_memory_type = "DRAM"
+    layouts: ClassVar[dict[str, str]] = {"gqa": "gqa_fused", "mla": "mla_fused", "index": "index"}
+
+    def __init__(self, device_index: int = 0, *, emulated: bool = False, copy_threads: int | None = None) -> None:
+        super().__init__(device_index, emulated=emulated)
+        self.copy_threads = copy_threads or default_threads()
+        self._host_stream = HostStream()
+
+    @classmethod
+    def probe(cls) -> Probe:
+        return Probe(True, "host memory, always available")
+
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device("cpu")
+
+    def mooncake_location(self) -> str:
+        return "cpu:0"
+
+    def new_stream(self) -> Stream:
+        return WorkerStream()
+
+    def current_stream(self) -> Stream:
+        return self._host_stream
+
+    def new_event(self) -> CpuEvent:
+        return CpuEvent()
+
+    def _alloc_host(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)  # nothing to pin without a device
+
+    def _execute(self, plan: CopyPlan, stream: Stream | None) -> None:
+        threads = self.copy_threads
+        if stream is None or isinstance(stream, HostStream):
+            copy_plan(plan, threads)
+        elif isinstance(stream, WorkerStream):
+            stream.submit(lambda: copy_plan(plan, threads))
+        else:
+            raise BackendError(f"the cpu backend cannot run work on {type(stream).__name__}")
