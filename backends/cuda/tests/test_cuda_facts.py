@@ -1,0 +1,143 @@
+"""What the cuda backend states about its device and how kvplane finds it; stream checks run only on a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import EntryPoint, PackageNotFoundError, distribution
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from kvplane_cuda.backend import CudaBackend
+
+from kvplane.backend.registry import GROUP, BackendRegistry
+from kvplane.errors import BackendError, BackendUnavailable
+from kvplane.kv.layouts import LAYOUTS
+from kvplane.kv.regions import Region
+from kvplane.plan.descriptors import CopyPlan
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+HAS_GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device here")
+
+
+def declared_entry_points() -> dict[str, str]:
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    with PYPROJECT.open("rb") as f:
+        return dict(tomllib.load(f)["project"]["entry-points"][GROUP])
+
+
+def registry_of_this_package() -> BackendRegistry:
+    eps = [EntryPoint(name, value, GROUP) for name, value in declared_entry_points().items()]
+    return BackendRegistry(lambda: eps)
+
+
+def test_device_facts_match_vllm_on_cuda() -> None:
+    assert CudaBackend.name == "cuda"
+    assert CudaBackend.torch_device_type == "cuda"
+    assert CudaBackend.is_accelerator
+    assert CudaBackend.collective_backend == "nccl"
+    assert CudaBackend.visible_devices_env == "CUDA_VISIBLE_DEVICES"
+    assert CudaBackend.device_package is None
+    assert CudaBackend.mooncake_protocol == "rdma"
+    assert CudaBackend.nixl_memory_type == "VRAM"
+    assert CudaBackend.registration_alignment == 1
+    assert CudaBackend.max_registered_regions is None
+    assert CudaBackend.layouts == {"gqa": "gqa_fused", "mla": "mla_fused", "index": "index"}
+    assert set(CudaBackend.layouts.values()) <= set(LAYOUTS)
+
+
+def test_constructing_touches_no_device_and_names_the_mooncake_location() -> None:
+    assert CudaBackend(2).mooncake_location() == "cuda:2"
+    assert CudaBackend(0).label == "cuda"
+
+
+def test_executing_a_plan_is_refused_with_the_backend_named() -> None:
+    plan = CopyPlan(np.array([0], np.int64), np.array([64], np.int64), np.array([64], np.int64))
+    with pytest.raises(BackendError, match=r"'cuda' backend.*accelerator-backends"):
+        CudaBackend(0).execute(plan)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a CUDA device is visible here")
+def test_probe_declines_here_and_says_what_to_install() -> None:
+    probe = CudaBackend.probe()
+    assert not probe.available
+    if torch.version.cuda is None:
+        assert "built without CUDA; install a CUDA build of torch" in probe.reason
+    else:
+        assert "no cuda device is visible" in probe.reason
+
+
+def test_importing_the_plugin_does_not_initialise_cuda() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import kvplane_cuda.plugin as plugin
+        plugin.kvplane_backend()(0)
+        torch = sys.modules.get("torch")
+        print(torch is not None and torch.cuda.is_initialized())
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
+
+
+def test_pyproject_registers_the_plugin_under_cuda() -> None:
+    assert declared_entry_points() == {"cuda": "kvplane_cuda.plugin"}
+    assert registry_of_this_package().load("cuda") is CudaBackend
+
+
+def test_installed_distribution_registers_the_plugin_under_cuda() -> None:
+    try:
+        dist = distribution("kvplane-cuda")
+    except PackageNotFoundError:
+        pytest.skip("kvplane-cuda is not installed")
+    assert {ep.name: ep.value for ep in dist.entry_points if ep.group == GROUP} == {
+        "cuda": "kvplane_cuda.plugin"
+    }
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a CUDA device is visible here")
+def test_selecting_cuda_without_a_gpu_is_an_error_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPLANE_DEVICE", "cuda")
+    with pytest.raises(BackendUnavailable, match="KVPLANE_DEVICE='cuda'.*cannot run here"):
+        registry_of_this_package().select()
+
+
+def test_registration_spans_are_the_regions_merged_only_when_they_touch() -> None:
+    def region(addr: int, nbytes: int) -> Region:
+        return Region(0, 0, "layers.0", "k", addr, 1, nbytes, nbytes, 16, 1, nbytes // 16)
+
+    base = 0x7F00_0000_0000
+    spans = CudaBackend(0).registration_spans(
+        [region(base + 4096, 4096), region(base, 4096), region(base + 9000, 64)]
+    )
+    assert spans == [(base, 8192), (base + 9000, 64)]
+
+
+@needs_gpu
+def test_streams_events_and_pinned_memory_on_a_gpu() -> None:
+    backend = CudaBackend(0)
+    assert CudaBackend.probe().available
+    stream, event = backend.new_stream(), backend.new_event()
+    host = backend.alloc_host(1 << 20)
+    assert host.is_pinned()
+    device = backend.alloc_device(1 << 20)
+    with torch.cuda.stream(stream):  # type: ignore[arg-type]
+        device.copy_(host, non_blocking=True)
+        event.record(stream)
+    event.synchronize()
+    assert event.query() and stream.query()
+    backend.current_stream().wait_event(event)
+    backend.synchronize()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a CUDA device is visible here")
+def test_device_primitives_without_a_gpu_raise_backend_error_naming_the_device() -> None:
+    backend = CudaBackend(0)
+    for primitive in (backend.new_stream, backend.new_event, backend.current_stream, backend.synchronize):
+        with pytest.raises(BackendError, match=r"^cuda: .* on cuda:0 failed"):
+            primitive()

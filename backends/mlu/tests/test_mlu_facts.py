@@ -1,0 +1,115 @@
+"""What the MLU backend states about its device, how kvplane finds it; no MLU needed."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import EntryPoint, PackageNotFoundError, distribution
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvplane_mlu.backend import MluBackend
+
+from kvplane.backend.registry import GROUP, BackendRegistry
+from kvplane.errors import BackendError, BackendUnavailable
+from kvplane.kv.layouts import LAYOUTS
+from kvplane.plan.descriptors import CopyPlan
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+HAS_TORCH_MLU = importlib.util.find_spec("torch_mlu") is not None
+
+
+def declared_entry_points() -> dict[str, str]:
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    with PYPROJECT.open("rb") as f:
+        return dict(tomllib.load(f)["project"]["entry-points"][GROUP])
+
+
+def registry_of_this_package() -> BackendRegistry:
+    eps = [EntryPoint(name, value, GROUP) for name, value in declared_entry_points().items()]
+    return BackendRegistry(lambda: eps)
+
+
+def test_device_facts_match_torch_mlu_and_xllm() -> None:
+    assert MluBackend.name == "mlu"
+    assert MluBackend.torch_device_type == "mlu"
+    assert MluBackend.is_accelerator
+    assert MluBackend.collective_backend == "cncl"
+    assert MluBackend.visible_devices_env == "MLU_VISIBLE_DEVICES"
+    assert MluBackend.device_package == "torch_mlu"
+    assert MluBackend.mooncake_protocol == "rdma"
+    assert MluBackend.nixl_memory_type == "DRAM"
+    assert MluBackend.registration_alignment == 1
+    assert MluBackend.max_registered_regions is None
+    assert MluBackend.layouts == {"gqa": "split_kv", "mla": "mla_split", "index": "index"}
+    assert set(MluBackend.layouts.values()) <= set(LAYOUTS)
+
+
+def test_mooncake_registers_mlu_memory_by_dma_buf_location() -> None:
+    assert MluBackend(0).mooncake_location() == "mlu:0"
+    assert MluBackend(5).mooncake_location() == "mlu:5"
+
+
+def test_constructing_touches_no_device() -> None:
+    assert MluBackend(1).label == "mlu"
+    assert MluBackend(0, emulated=True).label == "mlu (emulated)"
+
+
+def test_executing_a_plan_is_refused_with_the_backend_named() -> None:
+    plan = CopyPlan(np.array([0], np.int64), np.array([64], np.int64), np.array([64], np.int64))
+    with pytest.raises(BackendError, match=r"'mlu' backend.*accelerator-backends"):
+        MluBackend(0).execute(plan)
+
+
+@pytest.mark.skipif(HAS_TORCH_MLU, reason="torch_mlu is installed here")
+def test_probe_declines_here_and_says_to_install_torch_mlu() -> None:
+    probe = MluBackend.probe()
+    assert not probe.available
+    assert probe.reason.startswith("torch_mlu is not installed; install torch_mlu")
+
+
+def test_importing_the_plugin_does_not_import_torch_mlu() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        attempts = []
+        class Recorder:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "torch_mlu":
+                    attempts.append(name)
+                return None
+        sys.meta_path.insert(0, Recorder())
+        import kvplane_mlu.plugin as plugin
+        plugin.kvplane_backend()(0).registration_spans([])
+        print(attempts, "torch_mlu" in sys.modules)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "False"]
+
+
+def test_pyproject_registers_the_plugin_under_mlu() -> None:
+    assert declared_entry_points() == {"mlu": "kvplane_mlu.plugin"}
+    assert registry_of_this_package().load("mlu") is MluBackend
+
+
+def test_installed_distribution_registers_the_plugin_under_mlu() -> None:
+    try:
+        dist = distribution("kvplane-mlu")
+    except PackageNotFoundError:
+        pytest.skip("kvplane-mlu is not installed")
+    assert {ep.name: ep.value for ep in dist.entry_points if ep.group == GROUP} == {
+        "mlu": "kvplane_mlu.plugin"
+    }
+
+
+@pytest.mark.skipif(HAS_TORCH_MLU, reason="torch_mlu is installed here")
+def test_selecting_mlu_here_is_an_error_that_says_to_install_torch_mlu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVPLANE_DEVICE", "mlu")
+    with pytest.raises(BackendUnavailable, match="torch_mlu is not installed"):
+        registry_of_this_package().select()
