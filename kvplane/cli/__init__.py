@@ -1,0 +1,1 @@
+"""The ``kvplane`` command line: ``info`` and ``bench``."""
