@@ -468,3 +468,19 @@ def test_a_worker_stream_runs_tasks_in_submission_order(gate: threading.Event) -
     gate.set()
     stream.synchronize()
     assert seen == list(range(50))
+
+
+def test_a_closed_stream_finishes_its_queue_stops_its_thread_and_refuses_more_work() -> None:
+    from kvplane.backend.cpu.streams import WorkerStream
+    from kvplane.errors import BackendError
+
+    stream = WorkerStream()
+    ran: list[int] = []
+    for i in range(3):
+        stream.submit(lambda i=i: ran.append(i))
+    stream.close()
+    assert ran == [0, 1, 2]
+    assert not stream._thread.is_alive()
+    with pytest.raises(BackendError, match="closed"):
+        stream.submit(lambda: None)
+    stream.close()  # closing twice is harmless

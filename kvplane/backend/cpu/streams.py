@@ -66,11 +66,14 @@ class WorkerStream:
         self._pending = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, task: Callable[[], None]) -> None:
         with self._lock:
+            if self._closed:
+                raise BackendError("this cpu stream was closed; create a new one with backend.new_stream()")
             self._pending += 1
         self._queue.put(task)
 
@@ -87,6 +90,15 @@ class WorkerStream:
             if not self._idle.wait_for(lambda: self._pending == 0, timeout):
                 raise BackendError(f"cpu stream still had {self._pending} task(s) after {timeout} s")
         self.raise_if_failed()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the worker thread; submitting afterwards is an error."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join()
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
