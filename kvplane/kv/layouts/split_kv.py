@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvplane.kv.layouts.base import LayerValue, Layout, SlotTensor, as_tuple, expect_shape, torch_dtype
-from kvplane.kv.spec import LayerSpec
+from kvplane.kv.spec import LayerSpec, SlotSpec
 
 if TYPE_CHECKING:
     import torch
@@ -16,12 +16,16 @@ class SplitKV(Layout):
     family = "gqa"
     shape = "k, v: (nb, bs, h, d)"
 
+    def block_shape(self, slot: SlotSpec, tokens_per_block: int) -> tuple[int, int, int]:
+        """The shape of one block of one slot (token-major here)."""
+        return (tokens_per_block, slot.heads, slot.head_dim)
+
     def slot_tensors(self, layer: LayerSpec, tokens_per_block: int, value: LayerValue) -> list[SlotTensor]:
         tensors = as_tuple(self, layer, value, (2,))
         out = []
         for name, t in zip(("k", "v"), tensors):
             s = layer.slot(name)
-            expect_shape(self, layer, name, t, (None, tokens_per_block, s.heads, s.head_dim))
+            expect_shape(self, layer, name, t, (None, *self.block_shape(s, tokens_per_block)))
             out.append(SlotTensor(name, t, s.dtype, s.heads, s.head_dim))
         return out
 
@@ -31,8 +35,6 @@ class SplitKV(Layout):
         import torch
 
         return tuple(
-            torch.zeros(
-                (num_blocks, tokens_per_block, s.heads, s.head_dim), dtype=torch_dtype(s.dtype), device=device
-            )
+            torch.zeros((num_blocks, *self.block_shape(s, tokens_per_block)), dtype=torch_dtype(s.dtype), device=device)
             for s in (layer.slot("k"), layer.slot("v"))
         )
