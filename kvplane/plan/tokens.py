@@ -1,0 +1,51 @@
+"""Token chunks: how the tokens of one request map onto blocks of two different block sizes.
+
+Both sides cut the request into chunks of ``gcd(src_block, dst_block)`` tokens; chunk ``c`` sits at a known
+block and token offset on each side, and is contiguous in a token-major block on both. Everything here is
+numpy arrays, one entry per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplane.errors import PlanError
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Chunks:
+    tokens: int  # tokens per chunk
+    count: int
+    src_block: I64  # block id on the source side
+    src_token: I64  # first token of the chunk inside that block
+    dst_block: I64
+    dst_token: I64
+
+
+def token_chunks(num_tokens: int, src_ids: I64, src_block: int, dst_ids: I64, dst_block: int, where: str) -> Chunks:
+    """Chunks covering ``num_tokens`` tokens; the block lists must hold them (``PlanError`` otherwise)."""
+    if num_tokens < 0:
+        raise PlanError(f"{where}: num_tokens={num_tokens} must be >= 0")
+    for side, ids, size in (("source", src_ids, src_block), ("destination", dst_ids, dst_block)):
+        if len(ids) * size < num_tokens:
+            raise PlanError(
+                f"{where}: {num_tokens} tokens need {-(-num_tokens // size)} {side} blocks of {size} tokens, "
+                f"got {len(ids)}; pass every block the request holds"
+            )
+    g = math.gcd(src_block, dst_block)
+    count = -(-num_tokens // g)
+    first = np.arange(count, dtype=np.int64) * g
+    return Chunks(
+        tokens=g,
+        count=count,
+        src_block=src_ids[first // src_block],
+        src_token=first % src_block,
+        dst_block=dst_ids[first // dst_block],
+        dst_token=first % dst_block,
+    )
