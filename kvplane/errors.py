@@ -52,3 +52,23 @@ class BackendUnavailable(BackendError):
 
 class UnknownBackend(BackendError):
     """No installed backend has the requested name."""
+
+
+class TransportError(KvplaneError, RuntimeError):
+    """A transfer engine could not be set up, register memory, or reach a peer."""
+
+
+class TransportUnavailable(TransportError):
+    """The transfer engine's package is not installed or does not import here."""
+
+
+class PeerUnreachable(TransportError):
+    """The peer is unknown, refused the connection, or vanished."""
+
+
+class TransferFailed(TransportError):
+    """The engine reported a transfer as failed (after bounded retries)."""
+
+
+class TransferTimeout(TransportError):
+    """A transfer did not complete within its deadline."""

@@ -1,0 +1,106 @@
+"""The transport interface: moves a ``CopyPlan`` between the memory of two ranks through a transfer engine.
+
+A transport registers the backend's memory spans, publishes a ``PeerInfo`` that a peer needs to reach it,
+connects to peers, submits READ and WRITE plans (split to the engine's limits, retried with bounded back-off),
+polls them, and delivers notifications. Every wait has a deadline: a vanished peer or an address outside
+the peer's registered memory becomes a typed error (``kvplane.errors``), never a hang.
+
+Plan direction: ``plan.src`` is always where bytes come from and ``plan.dst`` where they go. For ``WRITE``
+``src`` is local and ``dst`` remote; for ``READ`` ``src`` is remote and ``dst`` local.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import msgspec
+
+from kvplane.backend.base import Backend
+from kvplane.plan.descriptors import CopyPlan
+
+Op = Literal["READ", "WRITE"]
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class PeerInfo(msgspec.Struct, frozen=True):
+    """What a peer needs to reach this rank's transport (sent in the handshake, msgpack-encoded)."""
+
+    engine: str  # the transport's name, e.g. "mooncake" or "nixl"
+    name: str  # engine-level identity: Mooncake "host:rpc_port", NIXL agent name
+    host: str
+    port: int = 0
+    metadata: bytes = b""  # engine metadata a peer must load (NIXL agent metadata)
+    spans: tuple[tuple[int, int], ...] = ()  # registered (addr, length) ranges, so a peer can check a plan
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    host: str = "127.0.0.1"
+    timeout_s: float = DEFAULT_TIMEOUT_S  # deadline for one submitted plan
+    retries: int = 3  # resubmissions of a failed batch
+    backoff_s: float = 0.05  # first back-off, doubled per retry
+    max_batch: int | None = None  # descriptors per engine call; None: the engine's own limit
+
+
+class Transfer(ABC):
+    """A submitted plan. ``poll`` is non-blocking; ``wait`` blocks until done or the deadline."""
+
+    @abstractmethod
+    def poll(self) -> bool:
+        """True when every descriptor is done; raises ``TransferFailed`` if the engine failed it."""
+
+    @abstractmethod
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until done; ``TransferTimeout`` past the deadline, ``TransferFailed`` on failure."""
+
+
+class Transport(ABC):
+    name: ClassVar[str]
+    engine_limit: ClassVar[int]  # descriptors per batch the engine accepts by default
+
+    def __init__(self, backend: Backend, config: TransportConfig | None = None, *, agent_name: str = "") -> None:
+        self.backend = backend
+        self.config = config or TransportConfig()
+        self.agent_name = agent_name
+
+    @classmethod
+    @abstractmethod
+    def available(cls) -> tuple[bool, str]:
+        """Whether the engine imports here, and why not. Must not raise."""
+
+    @abstractmethod
+    def register(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Register ``(addr, length)`` spans of local memory (normally ``backend.registration_spans``)."""
+
+    @abstractmethod
+    def peer_info(self) -> PeerInfo:
+        """This rank's ``PeerInfo``, valid after ``register``."""
+
+    @abstractmethod
+    def connect(self, peer: PeerInfo) -> str:
+        """Make ``peer`` reachable; returns the handle ``submit`` takes. Raises ``PeerUnreachable``."""
+
+    @abstractmethod
+    def submit(self, peer: str, op: Op, plan: CopyPlan, notify: bytes | None = None) -> Transfer:
+        """Start moving ``plan``; ``notify`` is delivered to the peer once all of it has landed."""
+
+    @abstractmethod
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call, as ``(sender, message)``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unregister memory and release the engine. Idempotent."""
+
+    def transfer(self, peer: str, op: Op, plan: CopyPlan, notify: bytes | None = None) -> None:
+        """``submit`` then ``wait`` with the configured deadline."""
+        self.submit(peer, op, plan, notify).wait(self.config.timeout_s)
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
