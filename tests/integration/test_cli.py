@@ -76,3 +76,14 @@ def test_unknown_device_is_an_error_naming_installed_backends() -> None:
     proc = kvplane("bench", "--quick", env={"KVPLANE_DEVICE": "tpu"})
     assert proc.returncode == 2
     assert "KVPLANE_DEVICE='tpu'" in proc.stderr and "cpu: available" in proc.stderr
+
+
+@pytest.mark.integration
+def test_plan_scenario_reports_verified_descriptors(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    proc = kvplane("bench", "--quick", "--scenario", "plan-qwen3-0.6b-10k", "--json", str(out), "--plot", "")
+    assert proc.returncode == 0, proc.stderr
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["kind"] == "plan" and r["verified"] is True
+    assert r["bytes"] == 10_000 * 114_688
+    assert r["params"]["descriptors"] == 28 * 2 * 625  # one per block and slot: nothing merged, nothing lost
