@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvref import canonical
 
 from kvplane.backend import get_backend
 from kvplane.errors import PlanError
@@ -47,19 +48,7 @@ class Rank:
 
     def tokens(self, layer: str, ids: np.ndarray, n: int) -> dict[str, torch.Tensor]:
         """Canonical ``(tokens, heads, dim)`` per spec slot, by plain indexing of the layout's tensors."""
-        v, idx = self.cache[layer], torch.as_tensor(ids)
-        if self.layout == "gqa_fused":
-            k, vv = v[0][idx], v[1][idx]
-        elif self.layout in ("split_kv", "hnd"):
-            k, vv = v[0][idx], v[1][idx]
-            if self.layout == "hnd":
-                k, vv = k.permute(0, 2, 1, 3), vv.permute(0, 2, 1, 3)
-        elif self.layout == "mla_fused":
-            rows = v[idx].reshape(-1, 1, 20)
-            return {"kv_c": rows[:n, :, :16], "k_pe": rows[:n, :, 16:]}
-        else:
-            return {"kv_c": v[0][idx].reshape(-1, 1, 16)[:n], "k_pe": v[1][idx].reshape(-1, 1, 4)[:n]}
-        return {"k": k.reshape(-1, k.shape[2], DIM)[:n], "v": vv.reshape(-1, vv.shape[2], DIM)[:n]}
+        return canonical(self.layout, self.cache[layer], ids, n, self.spec.layer(layer))
 
 
 def move(src: Rank, dst: Rank, src_ids: np.ndarray, dst_ids: np.ndarray, n: int) -> None:
