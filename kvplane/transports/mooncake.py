@@ -1,0 +1,214 @@
+"""Mooncake Transfer Engine transport: P2P handshake (no etcd), the backend's protocol (tcp, rdma, ascend).
+
+Flows create it through the transport registry; a peer reaches this rank by ``PeerInfo.name`` =
+``"host:rpc_port"``. Mooncake's Python binding has no non-blocking batch status (``get_batch_transfer_status``
+blocks until the batch ends or Mooncake's own timeout), so each submitted plan runs on a worker thread:
+chunks of at most ``max_batch`` descriptors (Mooncake's tcp transport refuses more than 1024 queued per peer),
+one chunk per peer at a time, each retried with back-off. ``notify`` rides on the last chunk
+(``batch_transfer_sync`` with a ``TransferNotify``), which Mooncake posts to the peer only once that batch has
+completed, and the last chunk starts only after every earlier one completed.
+
+Notification bytes travel as Mooncake strings: kvplane sends ``msg.decode("latin-1")``, so any bytes survive
+the UTF-8 round trip, and decodes what arrives with ``latin-1`` (UTF-8 when a foreign sender used characters
+beyond U+00FF).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib import metadata
+from typing import Any
+
+from kvplane.backend.base import Backend
+from kvplane.errors import PeerUnreachable, PlanError, TransportError, TransportUnavailable
+from kvplane.plan.descriptors import CopyPlan
+from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
+from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
+from kvplane.transports.mooncake_transfer import MooncakeTransfer
+
+INSTALL_HINT = (
+    "pip install mooncake-transfer-engine-non-cuda (CPU machines) or mooncake-transfer-engine (CUDA); "
+    "never both, they install the same module"
+)
+TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"  # Mooncake's own bound on a blocking status call, seconds, at least 5
+
+
+def _import_engine() -> Any:
+    try:
+        import mooncake.engine as engine
+    except Exception as e:  # ImportError, or OSError for a missing libibverbs / libcudart
+        raise TransportUnavailable(f"mooncake does not import here ({type(e).__name__}: {e}); {INSTALL_HINT}") from e
+    return engine
+
+
+def _version() -> str:
+    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "mooncake (version unknown)"
+
+
+class MooncakeTransport(Transport):
+    name = "mooncake"
+    engine_limit = 1024  # descriptors per batch: the tcp transport fails larger batches to one peer
+
+    def __init__(self, backend: Backend, config: TransportConfig | None = None, *, agent_name: str = "") -> None:
+        super().__init__(backend, config, agent_name=agent_name)
+        self._mc = _import_engine()
+        for key, value in backend.mooncake_env_defaults.items():
+            os.environ.setdefault(key, value)
+        self._engine: Any = self._start_engine()
+        self._rpc_port = int(self._engine.get_rpc_port())
+        self._self_name = f"{self.config.host}:{self._rpc_port}"  # how peers name this engine
+        self._spans: list[tuple[int, int]] = []
+        self._peer_spans: dict[str, list[tuple[int, int]] | None] = {}
+        self._peer_locks: dict[str, threading.Lock] = {}
+        self._transfers: list[MooncakeTransfer] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        try:
+            _import_engine()
+        except TransportUnavailable as e:
+            return False, str(e)
+        except Exception as e:  # available() must not raise
+            return False, f"mooncake probe raised {type(e).__name__}: {e}"
+        return True, _version()
+
+    def _start_engine(self) -> Any:
+        # Mooncake reads its status timeout once, in the engine's constructor: tie it to ours unless set.
+        own_timeout = TIMEOUT_ENV not in os.environ
+        if own_timeout:
+            os.environ[TIMEOUT_ENV] = str(max(5, math.ceil(self.config.timeout_s)))
+        try:
+            engine = self._mc.TransferEngine()
+        finally:
+            if own_timeout:
+                os.environ.pop(TIMEOUT_ENV, None)
+        protocol = self.backend.mooncake_protocol
+        rc = engine.initialize(self.config.host, "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise TransportError(
+                f"mooncake initialize(host={self.config.host!r}, protocol={protocol!r}) returned {rc}; "
+                f"check that TransportConfig.host is an address of this machine and the protocol's devices exist"
+            )
+        return engine
+
+    # -- memory and identity ------------------------------------------------------------------------------
+    def register(self, spans: Sequence[tuple[int, int]]) -> None:
+        self._check_open("register")
+        new = check_spans(spans)
+        if not new:
+            return
+        location = self.backend.mooncake_location()
+        rc = self._engine.batch_register_memory([a for a, _ in new], [n for _, n in new], location)
+        if rc != 0:
+            raise TransportError(
+                f"mooncake batch_register_memory of {len(new)} spans at location={location!r} returned {rc}; "
+                f"spans must not overlap ones already registered and must be {location} memory"
+            )
+        self._spans.extend(new)
+
+    def peer_info(self) -> PeerInfo:
+        self._check_open("peer_info")
+        return PeerInfo(
+            engine=self.name,
+            name=self._self_name,
+            host=self.config.host,
+            port=self._rpc_port,
+            spans=tuple(self._spans),
+        )
+
+    def connect(self, peer: PeerInfo) -> str:
+        self._check_open("connect")
+        if peer.engine != self.name:
+            raise TransportError(
+                f"PeerInfo.engine={peer.engine!r} but this transport is {self.name!r}; both ranks must use one"
+            )
+        rc = self._engine.send_probe(peer.name)
+        if rc != 0:
+            raise PeerUnreachable(
+                f"mooncake peer {peer.name!r} did not answer a probe (rc={rc}); is its process running and "
+                f"{peer.host}:{peer.port} reachable from {self.config.host}?"
+            )
+        self._peer_spans[peer.name] = list(peer.spans) if peer.spans else None
+        return peer.name
+
+    # -- transfers ----------------------------------------------------------------------------------------
+    def submit(self, peer: str, op: Op, plan: CopyPlan, notify: bytes | None = None) -> Transfer:
+        self._check_open("submit")
+        op = check_op(op)
+        check_plan(op, plan, self._spans, self._peer_spans.get(peer), peer)
+        if notify is not None and not len(plan):
+            raise PlanError(f"mooncake carries notify={notify!r} on a transfer, and the plan is empty; "
+                            f"send the notify with the last non-empty plan")
+        chunks = chunk_bounds(len(plan), batch_size(self.config, self.engine_limit))
+        transfer = MooncakeTransfer(self, peer, op, plan, chunks, notify, Deadline.after(self.config.timeout_s))
+        with self._lock:
+            self._check_open("submit")  # close() may have run since the check above
+            self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
+            transfer.start()
+        return transfer
+
+    def move(self, peer: str, op: Op, local: list[int], remote: list[int], lengths: list[int],
+             notify: bytes | None) -> int:
+        """One engine batch, blocking (the binding releases the GIL); 0 when every descriptor landed."""
+        with self._peer_lock(peer):
+            engine = self._engine
+            if engine is None:
+                return -1
+            if notify is not None:
+                opcode = self._mc.TransferOpcode.Read if op == "READ" else self._mc.TransferOpcode.Write
+                note = self._mc.TransferNotify(self._self_name, notify.decode("latin-1"))
+                return int(engine.batch_transfer_sync(peer, local, remote, lengths, opcode, note))
+            start = engine.batch_transfer_async_read if op == "READ" else engine.batch_transfer_async_write
+            batch = start(peer, local, remote, lengths)
+            if not batch:  # 0: the engine could not open the peer's segment or refused the batch
+                return -1
+            return int(engine.get_batch_transfer_status([batch]))
+
+    @contextmanager
+    def _peer_lock(self, peer: str) -> Iterator[None]:
+        with self._lock:
+            lock = self._peer_locks.setdefault(peer, threading.Lock())
+        with lock:
+            yield
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        self._check_open("notifications")
+        out: list[tuple[str, bytes]] = []
+        for note in self._engine.get_notifies():
+            msg: str = note.msg
+            try:
+                out.append((str(note.name), msg.encode("latin-1")))
+            except UnicodeEncodeError:  # a sender that is not kvplane wrote plain UTF-8 text
+                out.append((str(note.name), msg.encode("utf-8")))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            transfers, self._transfers = self._transfers, []
+        for transfer in transfers:  # an engine call in flight must end before its memory goes
+            transfer.cancel()
+        drain = Deadline.after(self.config.timeout_s + 5)  # Mooncake ends each call by its own timeout
+        lingering = [t for t in transfers if not t.join(drain.remaining())]
+        engine, self._engine = self._engine, None
+        if self._spans and not lingering:
+            engine.batch_unregister_memory([a for a, _ in self._spans])
+        self._spans = []
+        del engine  # the binding's destructor closes segments and stops the engine's threads
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise TransportError(f"{what}() on a closed {self.name} transport; create a new transport")

@@ -1,0 +1,117 @@
+"""One plan in flight through Mooncake: a worker thread walks its chunks, retrying each with back-off.
+
+``MooncakeTransport.submit`` creates and starts it; callers only see ``poll``/``wait``. The thread exists
+because Mooncake's binding offers no non-blocking status for a batch; it blocks in C++ with the GIL released.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from kvplane.errors import TransferFailed, TransferTimeout, TransportError
+from kvplane.plan.descriptors import CopyPlan
+from kvplane.transports.base import Op, Transfer
+from kvplane.transports.batching import Deadline, backoff_s, local_remote
+
+if TYPE_CHECKING:
+    from kvplane.transports.mooncake import MooncakeTransport
+
+
+class MooncakeTransfer(Transfer):
+    def __init__(
+        self,
+        transport: MooncakeTransport,
+        peer: str,
+        op: Op,
+        plan: CopyPlan,
+        chunks: list[tuple[int, int]],
+        notify: bytes | None,
+        deadline: Deadline,
+    ) -> None:
+        self._transport, self._peer, self._op = transport, peer, op
+        self._local, self._remote = local_remote(op, plan)
+        self._length = plan.length
+        self._chunks, self._notify, self._deadline = chunks, notify, deadline
+        self._chunk = 0  # the chunk being moved, for error messages
+        self._error: TransportError | None = None
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvplane-mooncake-{op.lower()}", daemon=True)
+
+    # -- caller side --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self._chunks:
+            self._done.set()
+            return
+        self._thread.start()
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def poll(self) -> bool:
+        if not self._done.is_set():
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        limit = self._deadline.remaining() if timeout_s is None else min(timeout_s, self._deadline.remaining())
+        if not self._done.wait(limit):
+            self.cancel()
+            raise TransferTimeout(
+                f"mooncake {self._op} with {self._peer}: not done after {limit:.1f} s, chunk {self._chunk + 1} of "
+                f"{len(self._chunks)} in flight; raise TransportConfig.timeout_s or check the peer"
+            )
+        self.poll()
+
+    def cancel(self) -> None:
+        """Stop after the engine call in flight; Mooncake cannot abort a batch it has started."""
+        self._cancelled.set()
+
+    def join(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
+
+    # -- worker side --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            last = len(self._chunks) - 1
+            for index, (start, stop) in enumerate(self._chunks):
+                self._chunk = index
+                self._move_chunk(start, stop, self._notify if index == last else None)
+        except TransportError as e:
+            self._error = e
+        except Exception as e:  # the binding raised (bad argument, engine torn down): never lose it
+            self._error = TransferFailed(f"mooncake {self._op} with {self._peer}: engine raised {e!r}")
+        finally:
+            self._done.set()
+
+    def _move_chunk(self, start: int, stop: int, notify: bytes | None) -> None:
+        local = self._local[start:stop].tolist()
+        remote = self._remote[start:stop].tolist()
+        lengths = self._length[start:stop].tolist()
+        config = self._transport.config
+        rc = 0
+        for attempt in range(config.retries + 1):
+            if self._cancelled.is_set() or self._deadline.expired():
+                raise TransferTimeout(self._where(start, stop, f"deadline passed before attempt {attempt + 1}"))
+            rc = self._transport.move(self._peer, self._op, local, remote, lengths, notify)
+            if rc == 0:
+                return
+            if attempt < config.retries:
+                pause = min(backoff_s(config, attempt), self._deadline.remaining())
+                if self._cancelled.wait(pause):
+                    raise TransferTimeout(self._where(start, stop, "cancelled while backing off"))
+        raise TransferFailed(
+            self._where(start, stop, f"failed {config.retries + 1} times (last rc={rc})")
+            + "; the peer may be gone, or an address lies outside its registered memory"
+        )
+
+    def _where(self, start: int, stop: int, what: str) -> str:
+        nbytes = int(self._length[start:stop].sum())
+        return (
+            f"mooncake {self._op} with {self._peer}: chunk {self._chunk + 1} of {len(self._chunks)} "
+            f"({stop - start} descriptors, {nbytes} B) {what}"
+        )

@@ -1,0 +1,195 @@
+"""NIXL transport: one NIXL agent with the UCX backend, peers joined by exchanging agent metadata.
+
+Flows create it through the transport registry. ``PeerInfo.metadata`` carries this agent's metadata (taken
+after ``register``, so it names the registered memory); ``connect`` loads a peer's with ``add_remote_agent``.
+A plan becomes one NIXL request per chunk (``initialize_xfer`` + ``transfer``), driven by ``poll``: NIXL's
+own progress thread moves the bytes, and ``poll`` checks the state, starts the next chunk and retries.
+``notify`` is attached to the last chunk, which starts only after every earlier one is done; NIXL delivers a
+request's notification once its data has landed. The package is ``nixl_cu12`` or ``nixl_cu13`` (both run
+CPU-only), imported on first use. Methods may be called from several threads (one lock guards the agent).
+"""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from kvplane.backend.base import Backend
+from kvplane.errors import PeerUnreachable, TransportError, TransportUnavailable
+from kvplane.plan.descriptors import CopyPlan
+from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
+from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
+from kvplane.transports.nixl_transfer import NixlTransfer
+
+MODULES = ("nixl_cu12", "nixl_cu13")
+INSTALL_HINT = "pip install nixl-cu12 (or nixl-cu13 on CUDA 13 machines)"
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}  # same-host peers: UCX on lo moves data by cma (single copy)
+
+
+def _import_nixl() -> tuple[Any, str]:
+    failures = []
+    for module in MODULES:
+        try:
+            return importlib.import_module(module), module
+        except Exception as e:  # ImportError, or OSError for a shared library that does not load
+            failures.append(f"{module}: {type(e).__name__}: {e}")
+    raise TransportUnavailable(f"NIXL does not import here ({'; '.join(failures)}); {INSTALL_HINT}")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class NixlTransport(Transport):
+    name = "nixl"
+    # NIXL has no small per-request cap (UCX posts descriptor by descriptor); the limit bounds the
+    # descriptor lists one request builds (65536 x 24 B per side) and how long one request runs.
+    engine_limit = 65536
+
+    def __init__(self, backend: Backend, config: TransportConfig | None = None, *, agent_name: str = "") -> None:
+        super().__init__(backend, config, agent_name=agent_name)
+        self._nixl, self.module = _import_nixl()
+        self.agent_name = agent_name or f"kvplane-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.mem_type = backend.nixl_memory_type
+        self.dev_id = 0 if self.mem_type == "DRAM" else backend.device_index
+        self.lock = threading.RLock()
+        self.agent: Any = self._start_agent()
+        self._regs: list[Any] = []
+        self._spans: list[tuple[int, int]] = []
+        self._peer_spans: dict[str, list[tuple[int, int]] | None] = {}
+        self._transfers: list[NixlTransfer] = []
+        self._closed = False
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        try:
+            _, module = _import_nixl()
+        except TransportUnavailable as e:
+            return False, str(e)
+        except Exception as e:  # available() must not raise
+            return False, f"NIXL probe raised {type(e).__name__}: {e}"
+        return True, f"{module} (UCX backend)"
+
+    def _start_agent(self) -> Any:
+        added = []
+        if _is_loopback(self.config.host):  # UCX reads its environment once, when the backend starts
+            added = [k for k in LOOPBACK_ENV if k not in os.environ]
+            os.environ.update({k: LOOPBACK_ENV[k] for k in added})
+        try:
+            agent = self._nixl.nixl_agent(self.agent_name, self._nixl.nixl_agent_config(backends=["UCX"]))
+        except Exception as e:
+            raise TransportError(f"NIXL agent {self.agent_name!r} did not start: {type(e).__name__}: {e}") from e
+        finally:
+            for key in added:
+                os.environ.pop(key, None)
+        if "UCX" not in agent.backends:
+            raise TransportUnavailable(
+                f"{self.module} has no UCX plugin here (plugins: {agent.get_plugin_list()}); reinstall {self.module}"
+            )
+        return agent
+
+    # -- memory and identity ------------------------------------------------------------------------------
+    def register(self, spans: Sequence[tuple[int, int]]) -> None:
+        self._check_open("register")
+        new = check_spans(spans)
+        if not new:
+            return
+        with self.lock:
+            try:
+                reg = self.agent.register_memory([(a, n, self.dev_id, "") for a, n in new], self.mem_type)
+            except Exception as e:
+                raise TransportError(
+                    f"NIXL register_memory of {len(new)} spans as {self.mem_type} (dev {self.dev_id}) failed: "
+                    f"{type(e).__name__}: {e}; spans must be {self.mem_type} memory not registered before"
+                ) from e
+        self._regs.append(reg)
+        self._spans.extend(new)
+
+    def peer_info(self) -> PeerInfo:
+        self._check_open("peer_info")
+        with self.lock:
+            md = bytes(self.agent.get_agent_metadata())
+        return PeerInfo(engine=self.name, name=self.agent_name, host=self.config.host, metadata=md,
+                        spans=tuple(self._spans))
+
+    def connect(self, peer: PeerInfo) -> str:
+        self._check_open("connect")
+        if peer.engine != self.name:
+            raise TransportError(
+                f"PeerInfo.engine={peer.engine!r} but this transport is {self.name!r}; both ranks must use one"
+            )
+        if not peer.metadata:
+            raise PeerUnreachable(f"PeerInfo for {peer.name!r} has no NIXL metadata; send the peer's peer_info()")
+        with self.lock:
+            if peer.name in self._peer_spans:  # a restarted peer: load its new metadata afresh
+                self._forget(peer.name)
+            try:
+                loaded = self.agent.add_remote_agent(peer.metadata)
+            except Exception as e:
+                raise PeerUnreachable(
+                    f"NIXL could not load agent {peer.name!r} at {peer.host} ({type(e).__name__}: {e}); "
+                    f"is its process running and reachable from {self.config.host}?"
+                ) from e
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        self._peer_spans[name] = list(peer.spans) if peer.spans else None
+        return name
+
+    # -- transfers ----------------------------------------------------------------------------------------
+    def submit(self, peer: str, op: Op, plan: CopyPlan, notify: bytes | None = None) -> Transfer:
+        self._check_open("submit")
+        op = check_op(op)
+        if peer not in self._peer_spans:
+            raise PeerUnreachable(f"NIXL peer {peer!r} is not connected; call connect(peer_info) first")
+        check_plan(op, plan, self._spans, self._peer_spans[peer], peer)
+        chunks = chunk_bounds(len(plan), batch_size(self.config, self.engine_limit))
+        transfer = NixlTransfer(self, peer, op, plan, chunks, notify, Deadline.after(self.config.timeout_s))
+        with self.lock:
+            self._check_open("submit")  # close() may have run since the check above
+            self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
+            transfer.start()
+        return transfer
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        self._check_open("notifications")
+        with self.lock:
+            notes: dict[str, list[bytes]] = self.agent.get_new_notifs()
+        return [(str(sender), bytes(msg)) for sender, msgs in notes.items() for msg in msgs]
+
+    def close(self) -> None:
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            for transfer in self._transfers:
+                transfer.cancel()
+            self._transfers = []
+            for peer in list(self._peer_spans):
+                self._forget(peer)
+            for reg in self._regs:
+                try:
+                    self.agent.deregister_memory(reg)
+                except Exception:  # close() must finish: the agent's destructor releases what is left
+                    pass
+            self._regs, self._spans = [], []
+            self.agent = None  # drops the agent: UCX workers and ports close with it
+
+    def _forget(self, peer: str) -> None:
+        self._peer_spans.pop(peer, None)
+        try:
+            self.agent.remove_remote_agent(peer)
+        except Exception:  # already invalidated (the peer disconnected)
+            pass
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise TransportError(f"{what}() on a closed {self.name} transport; create a new transport")

@@ -1,0 +1,190 @@
+"""One plan in flight through NIXL: a state machine over its chunks, advanced by ``poll``.
+
+``NixlTransport.submit`` creates it and posts the first chunk. Each ``poll`` checks the request in flight
+(``check_xfer_state``), releases it when it ends, posts the next chunk, and resubmits a failed one after
+back-off. Refusals that no retry can fix (an address NIXL finds in no registration, a peer that disconnected)
+fail at once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvplane.errors import TransferFailed, TransferTimeout, TransportError
+from kvplane.plan.descriptors import CopyPlan
+from kvplane.transports.base import Op, Transfer
+from kvplane.transports.batching import Deadline, backoff_s, descriptor_table, local_remote
+
+if TYPE_CHECKING:
+    from kvplane.transports.nixl import NixlTransport
+
+POLL_INTERVAL_S = 0.0002  # wait() sleeps this long between polls; NIXL's progress thread moves the data
+PERMANENT = ("nixlNotFoundError", "nixlInvalidParamError", "nixlRemoteDisconnectError")
+
+
+class _Permanent(Exception):
+    """A refusal that resubmitting cannot fix."""
+
+
+class NixlTransfer(Transfer):
+    def __init__(
+        self,
+        transport: NixlTransport,
+        peer: str,
+        op: Op,
+        plan: CopyPlan,
+        chunks: list[tuple[int, int]],
+        notify: bytes | None,
+        deadline: Deadline,
+    ) -> None:
+        self._transport, self._peer, self._op = transport, peer, op
+        self._local, self._remote = local_remote(op, plan)
+        self._length = plan.length
+        self._chunks, self._notify, self._deadline = chunks, notify, deadline
+        self._index = 0  # the chunk in flight
+        self._attempt = 0  # failed attempts of that chunk
+        self._retry_at = 0.0
+        self._handle: Any = None
+        self._error: TransportError | None = None
+        self._done = False
+
+    @property
+    def finished(self) -> bool:
+        return self._done or self._error is not None
+
+    # -- caller side --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self._chunks:
+            if self._notify is not None:  # nothing to move: the notification alone
+                try:
+                    self._transport.agent.send_notif(self._peer, self._notify)
+                except Exception as e:
+                    self._error = TransferFailed(f"NIXL notify to {self._peer}: {type(e).__name__}: {e}")
+                    return
+            self._done = True
+            return
+        self._step()
+
+    def poll(self) -> bool:
+        self._advance()
+        return self._done
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        limit = self._deadline.remaining() if timeout_s is None else min(timeout_s, self._deadline.remaining())
+        until = Deadline(time.monotonic() + limit)
+        while True:
+            moved = self._advance()
+            if self._done:
+                return
+            if until.expired():
+                self.cancel()
+                raise TransferTimeout(
+                    f"NIXL {self._op} with {self._peer}: not done after {limit:.1f} s, chunk {self._index + 1} of "
+                    f"{len(self._chunks)} in flight; raise TransportConfig.timeout_s or check the peer"
+                )
+            if not moved:
+                time.sleep(POLL_INTERVAL_S)
+
+    def _advance(self) -> bool:
+        """One step under the agent lock; raises the transfer's error. True when a chunk ended or started."""
+        moved = False
+        if self._error is None and not self._done:
+            with self._transport.lock:
+                moved = self._step()
+        if self._error is not None:
+            raise self._error
+        return moved
+
+    def cancel(self) -> None:
+        """Abandon the transfer; NIXL aborts the request in flight where it can."""
+        with self._transport.lock:
+            self._release()
+            if not self._done and self._error is None:
+                self._error = TransferTimeout(self._where("was abandoned (timed out or the transport closed)"))
+
+    # -- state machine ------------------------------------------------------------------------------------
+    def _step(self) -> bool:
+        """Check the request in flight; when it ended, release it and post the next chunk (at most one).
+
+        NIXL may finish a request inside ``transfer`` (same-host UCX copies in the calling thread), so posting
+        one chunk per step keeps ``submit`` and ``poll`` to one engine call's worth of work.
+        """
+        agent = self._transport.agent
+        moved, posted = False, False
+        while self._error is None and not self._done:
+            if self._handle is None:
+                if posted or time.monotonic() < self._retry_at:
+                    break
+                state, posted = self._post(agent), True
+            else:
+                try:
+                    state = str(agent.check_xfer_state(self._handle))
+                except Exception as e:
+                    state = self._refused(e)
+            if state == "PROC":
+                if self._deadline.expired():
+                    self._release()
+                    self._error = TransferTimeout(self._where("did not finish before the deadline"))
+                break
+            moved = True
+            self._release()
+            if state == "DONE":
+                self._index += 1
+                self._attempt = 0
+                self._done = self._index == len(self._chunks)
+            else:
+                self._failed(f"the engine reported {state}")
+        return moved or posted
+
+    def _post(self, agent: Any) -> str:
+        start, stop = self._chunks[self._index]
+        last = self._index == len(self._chunks) - 1
+        notify = self._notify if last and self._notify is not None else b""
+        mem, dev = self._transport.mem_type, self._transport.dev_id
+        length = self._length[start:stop]
+        try:
+            local = agent.get_xfer_descs(descriptor_table(self._local[start:stop], length, dev), mem)
+            remote = agent.get_xfer_descs(descriptor_table(self._remote[start:stop], length, dev), mem)
+            self._handle = agent.initialize_xfer(self._op, local, remote, self._peer, notify)
+            return str(agent.transfer(self._handle))
+        except Exception as e:
+            return self._refused(e)
+
+    def _refused(self, e: Exception) -> str:
+        """Turn an exception from NIXL into a state: permanent ones fail the transfer at once."""
+        kind = type(e).__name__
+        if kind in PERMANENT:
+            self._release()
+            why = "the peer disconnected" if "Disconnect" in kind else "an address lies outside registered memory"
+            self._error = TransferFailed(self._where(f"refused by NIXL ({kind}: {e}); {why}"))
+        return f"ERR ({kind}: {e})"
+
+    def _failed(self, reason: str) -> None:
+        if self._error is not None:
+            return
+        retries = self._transport.config.retries
+        if self._attempt >= retries:
+            self._error = TransferFailed(self._where(f"failed {retries + 1} times (last: {reason})"))
+            return
+        self._retry_at = time.monotonic() + min(backoff_s(self._transport.config, self._attempt),
+                                                self._deadline.remaining())
+        self._attempt += 1
+        if self._deadline.expired():
+            self._error = TransferTimeout(self._where(f"deadline passed while retrying ({reason})"))
+
+    def _release(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            try:
+                self._transport.agent.release_xfer_handle(handle)
+            except Exception:  # a request NIXL could not abort: its handle is freed with the agent
+                pass
+
+    def _where(self, what: str) -> str:
+        start, stop = self._chunks[min(self._index, len(self._chunks) - 1)]
+        nbytes = int(self._length[start:stop].sum())
+        return (
+            f"NIXL {self._op} with {self._peer}: chunk {self._index + 1} of {len(self._chunks)} "
+            f"({stop - start} descriptors, {nbytes} B) {what}"
+        )
