@@ -1,0 +1,178 @@
+"""P/D transfer scenarios (kind ``pd``): a peer process on 127.0.0.1 holds one instance's KV cache; this process
+READs scattered 16-token blocks from it or WRITEs them into it through kvplane (planner + transport), and through
+the raw engine's own batch calls on the same descriptors in the same run.
+
+``ratio`` is kvplane over raw. Bytes are verified once, right after kvplane's first transfer (before the raw
+engine touches the same blocks), by comparing block digests on both sides.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvplane.backend.base import Backend
+from kvplane.bench.models import model_spec
+from kvplane.bench.peer import CacheConfig, KVBuffer, PeerConfig, PeerProcess
+from kvplane.bench.results import BenchResult, make_result
+from kvplane.bench.scenarios import Scenario, register
+from kvplane.bench.timing import alternate
+from kvplane.errors import TransferFailed, TransferTimeout
+from kvplane.plan.descriptors import CopyPlan
+from kvplane.plan.planner import plan_transfer
+from kvplane.transports.base import Op, Transport, TransportConfig
+from kvplane.transports.registry import get_transport_class
+
+BLOCK_TOKENS = 16
+TOKENS, QUICK_TOKENS = 10_000, 2_000
+ENGINES = ("mooncake", "nixl")
+MODELS = ("qwen3-0.6b", "deepseek-v3")
+
+
+@dataclass
+class _Pair:
+    key: tuple[str, str, int, str]
+    peer: PeerProcess
+    local: KVBuffer
+    transport: Transport
+    handle: str
+
+    def close(self) -> None:
+        self.transport.close()
+        self.peer.close()
+
+
+_held: list[_Pair] = []  # one peer at a time, shared by the READ and WRITE scenarios of an engine and model
+
+
+def _pair(backend: Backend, engine: str, model: str, tokens: int) -> _Pair:
+    key = (backend.label, engine, tokens, model)
+    if _held and _held[0].key == key:
+        return _held[0]
+    while _held:
+        _held.pop().close()
+    spec = model_spec(model, BLOCK_TOKENS)
+    layout = backend.layouts[spec.layers[0].family]
+    num_blocks = 2 * -(-tokens // BLOCK_TOKENS)
+    peer = PeerProcess(
+        PeerConfig((CacheConfig(spec, layout, num_blocks, seed=1, engine_id="prefill"),), engine)
+    )
+    local = KVBuffer(spec, layout, num_blocks, backend.alloc_host)
+    local.fill(2)
+    transport = get_transport_class(engine)(
+        backend, TransportConfig(timeout_s=120.0), agent_name="bench-decode"
+    )
+    transport.register(backend.registration_spans(local.regions))
+    pair = _Pair(key, peer, local, transport, transport.connect(peer.info))
+    _held.append(pair)
+    return pair
+
+
+def close_all() -> None:
+    while _held:
+        _held.pop().close()
+
+
+def raw_move(transport: Transport, peer: str, op: Op, plan: CopyPlan) -> None:
+    """The engine's own batch calls on the plan's descriptors: no kvplane threads, checks or retries."""
+    local, remote = (plan.dst, plan.src) if op == "READ" else (plan.src, plan.dst)
+    engine: Any
+    if transport.name == "mooncake":
+        engine = getattr(transport, "_engine")  # noqa: B009 - the bench measures the engine underneath on purpose
+        call = engine.batch_transfer_sync_read if op == "READ" else engine.batch_transfer_sync_write
+        for i in range(0, len(plan), transport.engine_limit):
+            j = i + transport.engine_limit
+            rc = call(peer, local[i:j].tolist(), remote[i:j].tolist(), plan.length[i:j].tolist())
+            if rc != 0:
+                raise TransferFailed(f"raw mooncake batch returned {rc}")
+        return
+    agent = transport.agent  # type: ignore[attr-defined]
+    zeros = np.zeros(len(plan), dtype=np.uint64)
+    mem = transport.mem_type  # type: ignore[attr-defined]
+    with transport.lock:  # type: ignore[attr-defined]
+        ldesc = agent.get_xfer_descs(
+            np.stack([local.astype(np.uint64), plan.length.astype(np.uint64), zeros], 1), mem
+        )
+        rdesc = agent.get_xfer_descs(
+            np.stack([remote.astype(np.uint64), plan.length.astype(np.uint64), zeros], 1), mem
+        )
+        handle = agent.initialize_xfer(op, ldesc, rdesc, peer)
+        state = agent.transfer(handle)
+    deadline = time.monotonic() + 120
+    while state != "DONE":
+        if state == "ERR" or time.monotonic() > deadline:
+            raise TransferTimeout(f"raw nixl transfer ended in state {state!r}")
+        with transport.lock:  # type: ignore[attr-defined]
+            state = agent.check_xfer_state(handle)
+    with transport.lock:  # type: ignore[attr-defined]
+        agent.release_xfer_handle(handle)
+
+
+def run_pd(backend: Backend, engine: str, model: str, op: Op, quick: bool) -> BenchResult:
+    tokens = QUICK_TOKENS if quick else TOKENS
+    pair = _pair(backend, engine, model, tokens)
+    blocks = -(-tokens // BLOCK_TOKENS)
+    rng = np.random.default_rng(7 if op == "READ" else 8)
+    remote_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
+    local_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
+    remote_manifest = pair.peer.manifests[0]
+    local_manifest = pair.local.manifest("decode", 0, 1, backend.torch_device_type)
+    start = time.perf_counter()
+    if op == "READ":
+        tp = plan_transfer(remote_manifest, local_manifest, {0: remote_ids}, {0: local_ids}, {0: tokens})
+    else:
+        tp = plan_transfer(local_manifest, remote_manifest, {0: local_ids}, {0: remote_ids}, {0: tokens})
+    plan_s = time.perf_counter() - start
+
+    def ours() -> None:
+        pair.transport.transfer(pair.handle, op, tp.plan)
+
+    def raw() -> None:
+        raw_move(pair.transport, pair.handle, op, tp.plan)
+
+    if op == "WRITE":
+        pair.peer.call("zero")
+    ours()
+    verified = pair.local.digest(local_ids) == pair.peer.call("digest", block_ids=remote_ids.tolist())
+    seconds, baseline_seconds = alternate(ours, raw, 1 if quick else 2, warmup=0)
+    return make_result(
+        scenario=f"pd-{engine}-{model}-{op.lower()}",
+        kind="pd",
+        backend=backend.label,
+        transport=engine,
+        nbytes=tp.plan.total_bytes,
+        seconds=seconds,
+        baseline=f"raw {engine} batch calls",
+        baseline_seconds=baseline_seconds,
+        verified=verified,
+        params={
+            "model": model,
+            "op": op,
+            "tokens": tokens,
+            "block_tokens": BLOCK_TOKENS,
+            "descriptors": len(tp.plan),
+            "plan_ms": round(plan_s * 1e3, 3),
+        },
+    )
+
+
+def _scenario(engine: str, model: str, op: Op) -> Scenario:
+    def run(backend: Backend, quick: bool) -> BenchResult:
+        return run_pd(backend, engine, model, op, quick)
+
+    return Scenario(
+        f"pd-{engine}-{model}-{op.lower()}", "pd", run, {"engine": engine, "model": model, "op": op}
+    )
+
+
+atexit.register(close_all)  # peers are daemons anyway; this closes them politely first
+
+_OPS: tuple[Op, ...] = ("READ", "WRITE")
+for _engine in ENGINES:
+    for _model in MODELS:
+        for _op in _OPS:
+            register(_scenario(_engine, _model, _op))

@@ -1,0 +1,195 @@
+"""A peer rank in its own process, for the P/D bench and the cross-process tests.
+
+The parent starts ``serve`` with the ``spawn`` context and a pipe. The peer allocates a KV cache in one host
+buffer, fills it with a seeded pattern, registers it with a real transport and answers with its ``PeerInfo``
+and manifest. It then serves a few commands over the pipe (msgpack): ``digest`` of given blocks (so the parent
+can verify bytes without shipping them), ``fill``, ``zero``, ``notifications`` and ``exit``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from kvplane.kv.binding import (
+    LayoutChoice,
+    allocate_cache,
+    layouts_by_family,
+    regions_from_tensors,
+    slot_tensors,
+)
+from kvplane.kv.layouts import LayerValue
+from kvplane.kv.manifest import Manifest
+from kvplane.kv.spec import KVSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CacheConfig(msgspec.Struct, frozen=True):
+    """One rank's KV cache: the peer process can hold several (e.g. the TP ranks of one instance)."""
+
+    spec: KVSpec
+    layout: str
+    num_blocks: int
+    seed: int
+    rank: int = 0
+    tp_size: int = 1
+    engine_id: str = "peer"
+
+
+class PeerConfig(msgspec.Struct, frozen=True):
+    caches: tuple[CacheConfig, ...]
+    transport: str
+    host: str = "127.0.0.1"
+    timeout_s: float = 30.0
+
+
+class KVBuffer:
+    """A KV cache carved from one host buffer, with the helpers both peer and parent use."""
+
+    def __init__(self, spec: KVSpec, layout: LayoutChoice, num_blocks: int, alloc: Any) -> None:
+        self.spec, self.layout = spec, layout
+        held: list[torch.Tensor] = []
+
+        def take(n: int) -> torch.Tensor:
+            held.append(alloc(n))
+            return held[0]
+
+        self.cache: dict[str, LayerValue] = allocate_cache(spec, layout, num_blocks, alloc=take)
+        self.buffer = held[0]
+        self.regions = regions_from_tensors(spec, self.cache, layout)
+
+    def fill(self, seed: int) -> None:
+        """Distinct int64 words everywhere, derived from ``seed``: a misplaced block never matches."""
+        import torch
+
+        words = self.buffer.view(torch.int64)
+        torch.arange(words.numel(), dtype=torch.int64, out=words)
+        words.mul_(0x9E3779B97F4A7C15 & 0x7FFFFFFF).add_(seed << 40)
+
+    def digest(self, block_ids: np.ndarray, tokens: int | None = None) -> str:
+        """A hash of the given blocks of every slot, in slot order (the first ``tokens`` tokens if given)."""
+        import torch
+
+        h = hashlib.blake2b(digest_size=16)
+        ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
+        for st in slot_tensors(self.spec, self.cache, self.layout):
+            blocks = st.tensor.index_select(0, ids).contiguous()
+            h.update(blocks.view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def manifest(self, engine_id: str, rank: int, tp_size: int, device_type: str) -> Manifest:
+        layouts = {family: layout.name for family, layout in layouts_by_family(self.layout).items()}
+        return Manifest(engine_id, rank, tp_size, device_type, self.spec, layouts, tuple(self.regions))
+
+
+def serve(conn: Connection, config_bytes: bytes) -> None:
+    """The peer's main: set up, report, then serve commands until ``exit`` or the pipe closes."""
+    from kvplane.backend import get_backend
+    from kvplane.transports.base import TransportConfig
+    from kvplane.transports.registry import get_transport_class
+
+    cfg = msgspec.msgpack.decode(config_bytes, type=PeerConfig)
+    backend = get_backend("cpu")
+    kvs = []
+    for c in cfg.caches:
+        kv = KVBuffer(c.spec, c.layout, c.num_blocks, backend.alloc_host)
+        kv.fill(c.seed)
+        kvs.append(kv)
+    transport = get_transport_class(cfg.transport)(
+        backend, TransportConfig(host=cfg.host, timeout_s=cfg.timeout_s), agent_name=f"peer-{os.getpid()}"
+    )
+    transport.register(backend.registration_spans([r for kv in kvs for r in kv.regions]))
+    manifests = [
+        kv.manifest(c.engine_id, c.rank, c.tp_size, backend.torch_device_type).encode()
+        for kv, c in zip(kvs, cfg.caches)
+    ]
+    conn.send_bytes(msgspec.msgpack.encode({"peer": transport.peer_info(), "manifests": manifests}))
+    try:
+        while True:
+            try:
+                msg = msgspec.msgpack.decode(conn.recv_bytes())
+            except EOFError:
+                return
+            cmd = msg.get("cmd")
+            kv = kvs[int(msg.get("cache", 0))]
+            if cmd == "digest":
+                reply: Any = kv.digest(np.asarray(msg["block_ids"], dtype=np.int64))
+            elif cmd == "fill":
+                kv.fill(int(msg["seed"]))
+                reply = True
+            elif cmd == "zero":
+                kv.buffer.zero_()
+                reply = True
+            elif cmd == "notifications":
+                reply = [[sender, message] for sender, message in transport.notifications()]
+            elif cmd == "exit":
+                conn.send_bytes(msgspec.msgpack.encode(True))
+                return
+            else:
+                reply = {"error": f"unknown command {cmd!r}"}
+            conn.send_bytes(msgspec.msgpack.encode(reply))
+    finally:
+        transport.close()
+
+
+class PeerProcess:
+    """The parent's handle on a peer started with ``serve`` (spawned, so no state is inherited)."""
+
+    def __init__(self, config: PeerConfig, start_timeout_s: float = 60.0) -> None:
+        import multiprocessing as mp
+
+        from kvplane.errors import PeerUnreachable
+        from kvplane.transports.base import PeerInfo
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child, msgspec.msgpack.encode(config)), daemon=True)
+        self.process.start()
+        child.close()
+        if not self._conn.poll(start_timeout_s):
+            self.kill()
+            raise PeerUnreachable(f"peer process did not report within {start_timeout_s} s")
+        try:
+            hello = msgspec.msgpack.decode(self._conn.recv_bytes())
+        except EOFError:
+            self.kill()
+            raise PeerUnreachable(
+                f"peer process exited during start-up (exit code {self.process.exitcode})"
+            ) from None
+        self.info = msgspec.convert(hello["peer"], PeerInfo)
+        self.manifests = [Manifest.decode(b) for b in hello["manifests"]]
+
+    def call(self, cmd: str, timeout_s: float = 60.0, **args: Any) -> Any:
+        from kvplane.errors import PeerUnreachable
+
+        self._conn.send_bytes(msgspec.msgpack.encode({"cmd": cmd, **args}))
+        if not self._conn.poll(timeout_s):
+            raise PeerUnreachable(f"peer did not answer {cmd!r} within {timeout_s} s")
+        return msgspec.msgpack.decode(self._conn.recv_bytes())
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("exit", timeout_s=10)
+            except Exception:  # a peer that cannot say goodbye is killed instead
+                pass
+            self.process.join(10)
+        self.kill()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
