@@ -18,7 +18,7 @@ install: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 
-$(STAMP): $(PY) pyproject.toml setup.py kvplane/_native/memcpy.c backends/*/pyproject.toml
+$(STAMP): $(PY) pyproject.toml setup.py kvplane/_native/*.c backends/*/pyproject.toml
 	./scripts/install-system-deps.sh
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[$(EXTRAS)]" -e backends/cuda -e backends/ascend -e backends/mlu

@@ -1,4 +1,5 @@
-"""Builds kvplane's one native piece: the batched memcpy the cpu backend executes plans with."""
+"""Builds kvplane's native pieces: the batched memcpy the cpu backend executes plans with, and the C loop
+that enqueues plans through an accelerator vendor's async memcpy (with memcpy-backed stand-ins for emulation)."""
 
 from setuptools import Extension, setup
 
@@ -9,6 +10,11 @@ setup(
             sources=["kvplane/_native/memcpy.c"],
             extra_compile_args=["-O3", "-std=c11"],
             libraries=["pthread"],
-        )
+        ),
+        Extension(
+            "kvplane._native._async_copy",
+            sources=["kvplane/_native/async_copy.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+        ),
     ]
 )

@@ -1,80 +1,37 @@
 """The generic torch-accelerator backend shared by the cuda, npu and mlu backend packages.
 
 Backend packages (``kvplane-cuda``, ``kvplane-ascend``, ``kvplane-mlu``) subclass ``AcceleratorBackend``
-and set only device facts as class attributes; everything here goes through PyTorch's device-generic API
-(``torch.Stream``, ``torch.Event``, ``torch.accelerator``) and the device module
-``torch.<torch_device_type>``, which torch_npu and torch_mlu fill in. No device name is tested anywhere in
-this file.
+and set only device facts as class attributes; everything here goes through the device module
+``torch.<torch_device_type>`` (``torch.cuda``, or what torch_npu and torch_mlu register), whose ``Stream`` and
+``Event`` are subclasses of PyTorch's device-generic ``torch.Stream``/``torch.Event`` that also carry the raw
+handle. No device name is tested anywhere in this file. Probing lives in ``probing`` (re-exported here).
 
-``probe_device_package`` is what each backend's ``probe()`` calls: it imports the device package only when
-called (never when this module or a plugin module is imported) and answers with a reason instead of raising.
+Plans run through the vendor's async memcpy, looped in C over the plan's arrays (``vendor_copy``); a backend
+states the library, symbol, signature, kind codes and the stream's raw-handle attribute as class attributes.
+An emulated device (``kvplane.testing.emulated``) enters in one place, ``_emulation()``: its memory is host
+memory and its memcpy a C stand-in, everything else is this same code.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvplane.backend.base import Backend, Event, Probe, Stream
+from kvplane.backend.base import DIRECTIONS, Backend, Direction, Event, Probe, Stream
+from kvplane.backend.probing import probe_device_package
+from kvplane.backend.vendor_copy import CopyFunction, copy_error, enqueue, load_copy_function
 from kvplane.errors import BackendError
 from kvplane.plan.descriptors import CopyPlan
+from kvplane.testing.emulated import Emulation, emulation_requested, install_emulated, probe_emulated
 
 if TYPE_CHECKING:
     import torch
 
-
-def probe_device_package(
-    module_name: str | None,
-    install_hint: str,
-    *,
-    device_type: str,
-    visible_devices_env: str | None = None,
-) -> Probe:
-    """Whether ``torch.<device_type>`` has a device here, importing ``module_name`` first when one is given.
-
-    Never raises: a missing package, a package that fails to import, a torch without the device module and a
-    machine with no visible device each come back as ``Probe(False, reason)``; ``install_hint`` is appended
-    where installing something is the fix.
-    """
-    try:
-        if module_name is not None and module_name not in sys.modules:
-            if importlib.util.find_spec(module_name) is None:
-                return Probe(False, f"{module_name} is not installed; {install_hint}")
-            try:
-                importlib.import_module(module_name)
-            except Exception as e:  # noqa: BLE001 - a broken device stack declines, never crashes
-                return Probe(
-                    False, f"importing {module_name} failed ({type(e).__name__}: {e}); {install_hint}"
-                )
-        import torch
-
-        module = getattr(torch, device_type, None)
-        if not isinstance(module, ModuleType):
-            return Probe(
-                False, f"torch {torch.__version__} has no torch.{device_type} module; {install_hint}"
-            )
-        no_device = _no_device(device_type, visible_devices_env)
-        if not module.is_available():
-            return Probe(False, f"torch.{device_type}.is_available() is False: {no_device}")
-        count = int(module.device_count())
-        if count == 0:
-            return Probe(False, f"torch.{device_type}.device_count() is 0: {no_device}")
-        return Probe(True, f"{count} {device_type} device(s) visible")
-    except Exception as e:  # noqa: BLE001 - probe() must not raise
-        return Probe(False, f"probing torch.{device_type} raised {type(e).__name__}: {e}")
-
-
-def _no_device(device_type: str, visible_devices_env: str | None) -> str:
-    reason = f"no {device_type} device is visible"
-    if visible_devices_env is not None and visible_devices_env in os.environ:
-        reason += f" ({visible_devices_env}={os.environ[visible_devices_env]!r})"
-    return reason
+__all__ = ["AcceleratorBackend", "probe_device_package"]
 
 
 class AcceleratorBackend(Backend):
@@ -82,21 +39,28 @@ class AcceleratorBackend(Backend):
 
     Subclasses set the device facts (``name``, ``torch_device_type``, ``collective_backend``,
     ``visible_devices_env``, ``device_package``, ``install_hint``, ``mooncake_protocol``,
-    ``nixl_memory_type``, registration limits, ``layouts``, ``mooncake_env_defaults``) and override a
-    primitive only where their device does it differently or faster. Constructing one touches no device:
-    the device package and the device are reached only by ``probe()`` and by the stream, event and memory
-    primitives.
-
-    Not implemented yet: ``_execute`` (running a ``CopyPlan`` of raw address arrays on a stream). Plan
-    execution for these backends lands with the accelerator-backends work; until then ``execute()`` raises
-    ``BackendError`` naming the backend, so nothing silently falls back to a slow or wrong path.
+    ``nixl_memory_type``, registration limits, ``layouts``, ``mooncake_env_defaults``, and the ``memcpy_*`` and
+    ``stream_handle_attribute`` facts below) and override a primitive only where their device does it
+    differently or faster. Constructing one touches no device: the device package and the device are reached
+    only by ``probe()`` and by the stream, event, memory and copy primitives.
     """
 
-    # Environment variables the backend's Mooncake transport reads before ``TransferEngine.initialize``;
-    # a transport sets each one that the user has not set. Empty unless the device's transport needs some.
+    # -- how a plan reaches the device: the vendor's async memcpy, called from C for every descriptor -----
+    memcpy_library: ClassVar[str] = ""  # the vendor runtime the device package has already loaded
+    memcpy_symbol: ClassVar[str] = ""  # its async memcpy
+    memcpy_signature: ClassVar[str] = ""  # a kvplane.backend.vendor_copy signature: cuda, acl, cnrt
+    memcpy_kinds: ClassVar[Mapping[str, int]] = {}  # direction -> the vendor's kind/direction code
+    stream_handle_attribute: ClassVar[str] = ""  # the raw stream handle on the device module's Stream
+
+    def __init__(self, device_index: int = 0, *, emulated: bool = False) -> None:
+        super().__init__(device_index, emulated=emulated)
+        self._copy_fn: CopyFunction | None = None
+        self.copy_notes: list[str] = []  # what reports should say about the copy path (fallbacks taken)
 
     @classmethod
     def probe(cls) -> Probe:
+        if emulation_requested(cls.name):
+            return probe_emulated(cls.name, cls.torch_device_type, cls.device_package)
         return probe_device_package(
             cls.device_package,
             cls.install_hint,
@@ -104,30 +68,49 @@ class AcceleratorBackend(Backend):
             visible_devices_env=cls.visible_devices_env,
         )
 
-    @classmethod
-    def device_module(cls) -> ModuleType:
+    def _emulation(self) -> Emulation | None:
+        """The one place emulation enters: None on a real device (installed on first use when emulated)."""
+        if not self.emulated:
+            return None
+        return install_emulated(
+            self.torch_device_type,
+            device_package=self.device_package,
+            stream_attribute=self.stream_handle_attribute or None,
+        )
+
+    def device_module(self) -> ModuleType:
         """``torch.<torch_device_type>``; a ``BackendError`` naming what to install when it is absent."""
+        emulation = self._emulation()
+        if emulation is not None:
+            return emulation.module
         import torch
 
-        if cls.device_package is not None and cls.device_package not in sys.modules:
+        if self.device_package is not None and self.device_package not in sys.modules:
             try:
-                importlib.import_module(cls.device_package)  # it registers torch.<device> on import
+                importlib.import_module(self.device_package)  # it registers torch.<device> on import
             except Exception as e:  # any failure, re-raised with the install hint
                 raise BackendError(
-                    f"{cls.name}: importing {cls.device_package} failed ({type(e).__name__}: {e}); "
-                    f"{cls.install_hint}"
+                    f"{self.name}: importing {self.device_package} failed ({type(e).__name__}: {e}); "
+                    f"{self.install_hint}"
                 ) from e
-        module = getattr(torch, cls.torch_device_type, None)
+        module = getattr(torch, self.torch_device_type, None)
         if not isinstance(module, ModuleType):
             raise BackendError(
-                f"{cls.name}: torch {torch.__version__} has no torch.{cls.torch_device_type} module; "
-                f"{cls.install_hint}"
+                f"{self.name}: torch {torch.__version__} has no torch.{self.torch_device_type} module; "
+                f"{self.install_hint}"
             )
         return module
 
     def device(self) -> torch.device:
+        emulation = self._emulation()
+        if emulation is not None:
+            return emulation.memory_device  # an emulated device's memory is host memory
         self.device_module()  # torch.device("npu") parses only once the device package has registered "npu"
         return super().device()
+
+    def device_count(self) -> int:
+        with self._device_errors("counting devices"):
+            return int(self.device_module().device_count())
 
     def set_current_device(self) -> None:
         """Make this backend's device the calling thread's current one (Mooncake's ascend transport needs it
@@ -135,43 +118,25 @@ class AcceleratorBackend(Backend):
         with self._device_errors("setting the current device"):
             self.device_module().set_device(self.device_index)
 
-    # -- streams and events -------------------------------------------------------------------------------
+    # -- streams and events: the device module's own types, which carry the raw handle ------------------
     def new_stream(self) -> Stream:
-        import torch
-
         with self._device_errors("creating a stream"):
-            return torch.Stream(self.device())
+            stream: Stream = self.device_module().Stream(device=self.device_index)
+            return stream
 
     def current_stream(self) -> Stream:
-        import torch
-
         with self._device_errors("reading the current stream"):
-            if self._is_current_accelerator():
-                return torch.accelerator.current_stream(self.device_index)
             stream: Stream = self.device_module().current_stream(self.device_index)
             return stream
 
     def new_event(self) -> Event:
-        import torch
-
         with self._device_errors("creating an event"):
-            return torch.Event(self.device())
+            event: Event = self.device_module().Event()
+            return event
 
     def synchronize(self) -> None:
-        import torch
-
         with self._device_errors("synchronizing"):
-            if self._is_current_accelerator():
-                torch.accelerator.synchronize(self.device_index)
-            else:
-                self.device_module().synchronize(self.device_index)
-
-    def _is_current_accelerator(self) -> bool:
-        import torch
-
-        self.device_module()  # torch.accelerator only knows the device once its package is imported
-        current = torch.accelerator.current_accelerator()
-        return current is not None and current.type == self.torch_device_type
+            self.device_module().synchronize(self.device_index)
 
     @contextmanager
     def _device_errors(self, what: str) -> Iterator[None]:
@@ -189,13 +154,80 @@ class AcceleratorBackend(Backend):
     def _alloc_host(self, nbytes: int, pinned: bool) -> torch.Tensor:
         import torch
 
-        if pinned:
-            self.device_module()  # pinning goes through the device package's host allocator
+        # pinning goes through the device package's host allocator; host memory as device memory needs none
+        pinned = pinned and self.device().type != "cpu"
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
-    def _execute(self, plan: CopyPlan, stream: Stream | None) -> None:
-        raise BackendError(
-            f"{self.label}: executing a copy plan ({len(plan)} descriptors, {plan.total_bytes} B) is not "
-            f"implemented for the {self.name!r} backend yet; plan execution for this backend lands with the "
-            f"accelerator-backends work"
-        )
+    def memcpy_libraries(self) -> tuple[str, ...]:
+        """Library names to try for ``memcpy_symbol``, in order."""
+        return (self.memcpy_library,)
+
+    def _copy_function(self) -> CopyFunction:
+        """The vendor's async memcpy (or, emulated, its stand-in), resolved once per backend instance."""
+        if self._copy_fn is None:
+            emulation = self._emulation()
+            if emulation is not None:
+                self._copy_fn = emulation.copy_function(self.memcpy_signature, self.memcpy_symbol)
+            else:
+                self._copy_fn = load_copy_function(
+                    self.memcpy_libraries(), self.memcpy_symbol, self.memcpy_signature, self.install_hint
+                )
+        return self._copy_fn
+
+    def copy_path(self) -> str:
+        """How plans run here, for reports: the function and library, and any fallback taken."""
+        return "; ".join([self._copy_function().describe(), *self.copy_notes])
+
+    def _execute(self, plan: CopyPlan, stream: Stream | None, *, direction: Direction | None = None) -> None:
+        kind = self._memcpy_kind(direction)
+        target = stream if stream is not None else self.current_stream()
+        function = self._copy_function()
+        with self._device_errors("enqueueing a copy plan"), self.device_module().device(self.device_index):
+            handle = self._stream_handle(target)
+            if handle == 0 and function.fallback is not None:
+                function = function.fallback  # batched APIs refuse the legacy default stream (handle 0)
+            failure = enqueue(function, plan, kind, handle)
+            if failure is not None and function.fallback is not None:
+                # a batch the driver refused: the per-descriptor loop re-copies it (plans never copy into
+                # their own sources, so running a descriptor twice leaves the same bytes)
+                fallback = function.fallback
+                failure, function = enqueue(fallback, plan, kind, handle), fallback
+                if failure is None:
+                    self._copy_fn = fallback
+                    self.copy_notes.append(f"batched copy refused by the driver; using {fallback.describe()}")
+        if failure is not None:
+            raise copy_error(self.label, function, plan, failure)
+        if stream is None:
+            target.synchronize()
+
+    def _memcpy_kind(self, direction: Direction | None) -> int:
+        if direction is None:
+            raise BackendError(
+                f"{self.label}: execute() needs direction=, one of {DIRECTIONS}, on an accelerator (some "
+                f"vendors' async memcpy takes the copy kind, so every accelerator backend requires it); pass e.g. "
+                f"direction='d2h' for a device -> host plan"
+            )
+        kind = self.memcpy_kinds.get(direction)
+        if kind is None:
+            raise BackendError(
+                f"{self.label}: direction={direction!r} is not supported by {self.memcpy_symbol}; this backend "
+                f"runs {sorted(self.memcpy_kinds)}"
+            )
+        return kind
+
+    def _stream_handle(self, stream: Any) -> int:
+        """The raw handle of ``stream``. Read right before enqueuing: torch_npu flushes its task queue to the
+        stream when ``npu_stream`` is read, so work torch queued earlier reaches the device first."""
+        attribute = self.stream_handle_attribute
+        if not hasattr(stream, attribute) and hasattr(stream, "stream_id"):
+            # a device-generic torch.Stream (torch.accelerator.current_stream()): the device's own type has the handle
+            stream = self.device_module().Stream(
+                stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type
+            )
+        handle = getattr(stream, attribute, None)
+        if not isinstance(handle, int):
+            raise BackendError(
+                f"{self.label}: execute() runs on streams of this backend (backend.new_stream(), "
+                f"backend.current_stream()); {type(stream).__name__} has no {attribute!r} handle"
+            )
+        return handle

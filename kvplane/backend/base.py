@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, get_args
 
 from kvplane.errors import BackendError, PlanError
 from kvplane.kv.regions import Region
@@ -18,6 +18,12 @@ from kvplane.plan.descriptors import CopyPlan
 
 if TYPE_CHECKING:
     import torch
+
+
+# Which memories a plan copies between: h(ost), d(evice). Accelerator vendors' async memcpy takes the kind
+# (aclrtMemcpyAsync, cnrtMemcpyAsync_V2), so accelerator backends require it; the cpu backend ignores it.
+Direction = Literal["h2d", "d2h", "d2d", "h2h"]
+DIRECTIONS: tuple[Direction, ...] = get_args(Direction)
 
 
 @dataclass(frozen=True)
@@ -124,15 +130,20 @@ class Backend(ABC):
     def new_event(self) -> Event:
         """An event that can be recorded on this backend's streams."""
 
-    def execute(self, plan: CopyPlan, stream: Stream | None = None) -> None:
-        """Enqueue every descriptor of ``plan`` on ``stream`` (None: run now and return when done)."""
+    def execute(self, plan: CopyPlan, stream: Stream | None = None, *, direction: Direction | None = None) -> None:
+        """Enqueue every descriptor of ``plan`` on ``stream`` (None: run now and return when done).
+
+        ``direction`` says which memories the plan copies between; accelerator backends require it.
+        """
         if not isinstance(plan, CopyPlan):
             raise PlanError(f"execute() takes a CopyPlan, got {type(plan).__name__}")
+        if direction is not None and direction not in DIRECTIONS:
+            raise PlanError(f"execute(direction={direction!r}) is not a direction; use one of {DIRECTIONS}")
         if len(plan):
-            self._execute(plan, stream)
+            self._execute(plan, stream, direction=direction)
 
     @abstractmethod
-    def _execute(self, plan: CopyPlan, stream: Stream | None) -> None: ...
+    def _execute(self, plan: CopyPlan, stream: Stream | None, *, direction: Direction | None = None) -> None: ...
 
     @abstractmethod
     def _alloc_host(self, nbytes: int, pinned: bool) -> torch.Tensor: ...

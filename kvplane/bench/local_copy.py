@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from kvplane.backend.base import Backend
+from kvplane.backend.base import Backend, Direction
 from kvplane.bench.models import MODELS, model_spec
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenarios import Scenario, register
@@ -72,8 +72,6 @@ def _prefix_of(buf: torch.Tensor) -> Callable[[int], torch.Tensor]:
 
 
 def run_local_copy(backend: Backend, model: str, direction: str, block_tokens: int, quick: bool) -> BenchResult:
-    import torch
-
     tokens = QUICK_TOKENS if quick else TOKENS
     spec = model_spec(model, block_tokens)
     layouts = backend.layouts
@@ -94,9 +92,11 @@ def run_local_copy(backend: Backend, model: str, direction: str, block_tokens: i
     dst_regions = regions_from_tensors(spec, caches[dst_side], layouts)
     plan = block_copy_plan(src_regions, src_ids, dst_regions, dst_ids)
     stream, event = backend.new_stream(), backend.new_event()
+    kind: Direction = "d2h" if direction == "d2h" else "h2d"
+    backend.synchronize()  # the fills and zero_ above ran on the compute stream; the copy stream does not wait
 
     def ours() -> None:
-        backend.execute(plan, stream)
+        backend.execute(plan, stream, direction=kind)
         event.record(stream)
         event.synchronize()
 
@@ -127,7 +127,7 @@ def run_local_copy(backend: Backend, model: str, direction: str, block_tokens: i
             "tokens": tokens,
             "blocks": blocks,
             "descriptors": len(plan),
-            "torch_device": str(torch.device(backend.torch_device_type)),
+            "torch_device": str(backend.device()),
         },
     )
 

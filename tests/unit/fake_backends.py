@@ -35,7 +35,7 @@ class FakeBackend(Backend):
     def new_event(self) -> Any:
         raise NotImplementedError
 
-    def _execute(self, plan: Any, stream: Any) -> None:
+    def _execute(self, plan: Any, stream: Any, *, direction: Any = None) -> None:
         raise NotImplementedError
 
     def _alloc_host(self, nbytes: int, pinned: bool) -> Any:

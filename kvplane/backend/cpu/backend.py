@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from kvplane.backend.base import Backend, Probe, Stream
+from kvplane.backend.base import Backend, Direction, Probe, Stream
 from kvplane.backend.cpu.memcpy import copy_plan, default_threads
 from kvplane.backend.cpu.streams import CpuEvent, HostStream, WorkerStream
 from kvplane.errors import BackendError
@@ -54,8 +54,8 @@ class CpuBackend(Backend):
 
         return torch.empty(nbytes, dtype=torch.uint8)  # nothing to pin without a device
 
-    def _execute(self, plan: CopyPlan, stream: Stream | None) -> None:
-        threads = self.copy_threads
+    def _execute(self, plan: CopyPlan, stream: Stream | None, *, direction: Direction | None = None) -> None:
+        threads = self.copy_threads  # ``direction`` is ignored: every copy is a host memcpy here
         if stream is None or isinstance(stream, HostStream):
             copy_plan(plan, threads)
         elif isinstance(stream, WorkerStream):
