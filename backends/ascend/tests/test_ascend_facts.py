@@ -66,11 +66,18 @@ def test_constructing_touches_no_device() -> None:
     assert backend.mooncake_location() == "npu:3"
 
 
-def test_executing_a_plan_is_refused_with_the_backend_named() -> None:
+def test_executing_a_plan_needs_a_direction() -> None:
     plan = CopyPlan(np.array([0], np.int64), np.array([64], np.int64), np.array([64], np.int64))
-    with pytest.raises(BackendError, match=r"'npu' backend.*accelerator-backends"):
+    with pytest.raises(BackendError, match=r"^npu: execute\(\) needs direction="):
         AscendBackend(0).execute(plan)
     AscendBackend(0).execute(CopyPlan.empty())  # nothing to run is not an error
+
+
+@pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
+def test_executing_a_plan_without_torch_npu_says_what_to_install() -> None:
+    plan = CopyPlan(np.array([0], np.int64), np.array([64], np.int64), np.array([64], np.int64))
+    with pytest.raises(BackendError, match="importing torch_npu failed .*pip install torch-npu"):
+        AscendBackend(0).execute(plan, direction="d2h")
 
 
 @pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
@@ -133,3 +140,17 @@ def test_device_primitives_without_torch_npu_raise_backend_error_saying_to_insta
         with pytest.raises(BackendError, match="importing torch_npu failed .*pip install torch-npu"):
             primitive()
     assert backend.alloc_host(64, pinned=False).numel() == 64  # unpinned host memory needs no device
+
+
+def test_plans_run_through_acl_memcpy_async_with_aclrt_memcpy_kinds() -> None:
+    assert AscendBackend.memcpy_library == "libascendcl.so"
+    assert (AscendBackend.memcpy_symbol, AscendBackend.memcpy_signature) == ("aclrtMemcpyAsync", "acl")
+    # ACL_MEMCPY_HOST_TO_DEVICE 1, DEVICE_TO_HOST 2, DEVICE_TO_DEVICE 3; host-to-host is refused by the async API
+    assert dict(AscendBackend.memcpy_kinds) == {"h2d": 1, "d2h": 2, "d2d": 3}
+    assert AscendBackend.stream_handle_attribute == "npu_stream"
+
+
+def test_a_host_to_host_plan_is_refused_up_front_naming_the_supported_directions() -> None:
+    plan = CopyPlan(np.array([0], np.int64), np.array([64], np.int64), np.array([64], np.int64))
+    with pytest.raises(BackendError, match=r"direction='h2h' is not supported by aclrtMemcpyAsync.*'d2d', 'd2h'"):
+        AscendBackend(0).execute(plan, direction="h2h")

@@ -55,10 +55,23 @@ def test_constructing_touches_no_device_and_names_the_mooncake_location() -> Non
     assert CudaBackend(0).label == "cuda"
 
 
-def test_executing_a_plan_is_refused_with_the_backend_named() -> None:
+def test_executing_a_plan_needs_a_direction() -> None:
     plan = CopyPlan(np.array([0], np.int64), np.array([64], np.int64), np.array([64], np.int64))
-    with pytest.raises(BackendError, match=r"'cuda' backend.*accelerator-backends"):
+    with pytest.raises(BackendError, match=r"^cuda: execute\(\) needs direction="):
         CudaBackend(0).execute(plan)
+
+
+def test_the_copy_facts_name_cuda_memcpy_async_with_the_default_kind() -> None:
+    assert (CudaBackend.memcpy_symbol, CudaBackend.memcpy_signature) == ("cudaMemcpyAsync", "cuda")
+    assert dict(CudaBackend.memcpy_kinds) == {"h2d": 4, "d2h": 4, "d2d": 4, "h2h": 4}  # cudaMemcpyDefault
+    assert CudaBackend.stream_handle_attribute == "cuda_stream"
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a CUDA device is visible here")
+def test_executing_a_plan_without_a_gpu_raises_backend_error_naming_the_device() -> None:
+    plan = CopyPlan(np.array([0], np.int64), np.array([64], np.int64), np.array([64], np.int64))
+    with pytest.raises(BackendError, match=r"^cuda: .* on cuda:0 failed"):
+        CudaBackend(0).execute(plan, direction="d2h")
 
 
 @pytest.mark.skipif(HAS_GPU, reason="a CUDA device is visible here")

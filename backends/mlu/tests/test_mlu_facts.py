@@ -58,10 +58,18 @@ def test_constructing_touches_no_device() -> None:
     assert MluBackend(0, emulated=True).label == "mlu (emulated)"
 
 
-def test_executing_a_plan_is_refused_with_the_backend_named() -> None:
+def test_executing_a_plan_needs_a_direction() -> None:
     plan = CopyPlan(np.array([0], np.int64), np.array([64], np.int64), np.array([64], np.int64))
-    with pytest.raises(BackendError, match=r"'mlu' backend.*accelerator-backends"):
+    with pytest.raises(BackendError, match=r"^mlu: execute\(\) needs direction="):
         MluBackend(0).execute(plan)
+    MluBackend(0).execute(CopyPlan.empty())  # nothing to run is not an error
+
+
+@pytest.mark.skipif(HAS_TORCH_MLU, reason="torch_mlu is installed here")
+def test_executing_a_plan_without_torch_mlu_says_what_to_install() -> None:
+    plan = CopyPlan(np.array([0], np.int64), np.array([64], np.int64), np.array([64], np.int64))
+    with pytest.raises(BackendError, match="importing torch_mlu failed .*install torch_mlu"):
+        MluBackend(0).execute(plan, direction="d2h")
 
 
 @pytest.mark.skipif(HAS_TORCH_MLU, reason="torch_mlu is installed here")
@@ -113,3 +121,11 @@ def test_selecting_mlu_here_is_an_error_that_says_to_install_torch_mlu(
     monkeypatch.setenv("KVPLANE_DEVICE", "mlu")
     with pytest.raises(BackendUnavailable, match="torch_mlu is not installed"):
         registry_of_this_package().select()
+
+
+def test_plans_run_through_cnrt_memcpy_async_v2_with_cnrt_directions() -> None:
+    assert MluBackend.memcpy_library == "libcnrt.so"
+    assert (MluBackend.memcpy_symbol, MluBackend.memcpy_signature) == ("cnrtMemcpyAsync_V2", "cnrt")
+    # cnrtMemTransDir_t: HostToDev 0, DevToDev 1, DevToHost 2, HostToHost 3 (not the ACL/CUDA order)
+    assert dict(MluBackend.memcpy_kinds) == {"h2d": 0, "d2d": 1, "d2h": 2, "h2h": 3}
+    assert MluBackend.stream_handle_attribute == "mlu_stream"
