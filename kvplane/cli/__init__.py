@@ -1,1 +1,1 @@
-"""The ``kvplane`` command line: ``info`` and ``bench``."""
+"""The ``kvplane`` command line: ``info``, ``bench`` and ``conformance``."""

@@ -21,6 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", default="bench-results/bench.json", help="results file")
     bench.add_argument("--plot", metavar="PATH", default="bench-results/bench.png", help="plot file (PNG)")
     bench.add_argument("--device", metavar="NAME", help="backend to use (default: $KVPLANE_DEVICE or auto)")
+    from kvplane.cli.conformance import add_arguments
+
+    add_arguments(sub.add_parser("conformance", help="certify a backend: run the conformance suite, print a report"))
     return p
 
 
@@ -33,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
             data = collect()
             print(json.dumps(data, indent=2) if args.json else render(data))
             return 0
+        if args.command == "conformance":
+            from kvplane.cli.conformance import run
+
+            return run(args)
         return _bench(args)
     except KvplaneError as e:
         print(f"kvplane: error: {e}", file=sys.stderr)
