@@ -1,0 +1,98 @@
+"""Configuration of the offload engine: the host tier's size in bytes and the optional Mooncake Store tier.
+
+Both are frozen dataclasses checked on construction; a bad value raises ``OffloadConfigError`` naming the
+field, the value and the fix. ``OffloadConfig.from_dict`` takes the JSON-ish dict an engine's config carries
+(vLLM's ``kv_connector_extra_config``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvplane.flows.offload.errors import OffloadConfigError
+
+MiB = 1 << 20
+
+
+def _positive(owner: str, name: str, value: float) -> None:
+    if not value > 0:
+        raise OffloadConfigError(f"{owner}.{name}={value!r} must be > 0")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """How to reach Mooncake Store (``mooncake_master`` + ``MooncakeDistributedStore``).
+
+    ``segment_bytes`` is the memory this client contributes to the cluster-wide pool (objects of every instance
+    may land in it); ``local_buffer_bytes`` is Mooncake's staging buffer. With ``write_through`` every block
+    stored in the host tier is also put to the store as soon as its copy is done; otherwise blocks go to the
+    store when the host tier evicts them. Every store call is bounded by ``timeout_s`` plus the time its bytes
+    take at ``min_gbps``; a call past its bound, or an unhealthy client, turns the store off for
+    ``retry_after_s`` with a warning, and requests carry on with the host tier alone.
+    """
+
+    master_address: str
+    local_hostname: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device_name: str = ""
+    segment_bytes: int = 256 * MiB
+    local_buffer_bytes: int = 64 * MiB
+    write_through: bool = False
+    namespace: str = "kvplane"
+    timeout_s: float = 2.0
+    min_gbps: float = 0.5
+    setup_timeout_s: float = 10.0
+    retry_after_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        host, _, port = self.master_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise OffloadConfigError(
+                f"StoreConfig.master_address={self.master_address!r} is not host:port; pass e.g. "
+                f"'127.0.0.1:50051' (the address mooncake_master listens on)"
+            )
+        if self.segment_bytes < 0:
+            raise OffloadConfigError(f"StoreConfig.segment_bytes={self.segment_bytes} must be >= 0")
+        _positive("StoreConfig", "local_buffer_bytes", self.local_buffer_bytes)
+        for name in ("timeout_s", "min_gbps", "setup_timeout_s", "retry_after_s"):
+            _positive("StoreConfig", name, getattr(self, name))
+        if not self.namespace or "/" in self.namespace:
+            raise OffloadConfigError(
+                f"StoreConfig.namespace={self.namespace!r} must be non-empty and contain no '/'"
+            )
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The host tier holds at most ``host_bytes`` of KV (never more); ``store`` adds the cluster-wide tier."""
+
+    host_bytes: int
+    store: StoreConfig | None = None
+    pinned: bool = True  # pin host memory where the device supports it (faster DMA)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host_bytes, int) or self.host_bytes <= 0:
+            raise OffloadConfigError(
+                f"OffloadConfig.host_bytes={self.host_bytes!r} must be a positive int (bytes of host memory for "
+                f"offloaded KV, e.g. 4 << 30)"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> OffloadConfig:
+        """Build from plain data: ``{"host_bytes": ..., "store": {"master_address": ..., ...}}``."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise OffloadConfigError(f"offload config has unknown key(s) {unknown}; known: {sorted(known)}")
+        store_raw = raw.get("store")
+        store = None
+        if store_raw is not None:
+            store_known = {f.name for f in fields(StoreConfig)}
+            bad = sorted(set(store_raw) - store_known)
+            if bad:
+                raise OffloadConfigError(f"store config has unknown key(s) {bad}; known: {sorted(store_known)}")
+            store = StoreConfig(**store_raw)
+        return cls(**{**raw, "store": store})

@@ -1,0 +1,335 @@
+"""``OffloadEngine``: the host tier (and optionally Mooncake Store behind it) behind plain methods an engine calls.
+
+Who calls what (one thread, the engine's; nano-vllm calls the layer hooks from ``Attention.forward``, the vLLM
+connector wraps them):
+
+- scheduling: ``lookup(hashes)`` -> tokens available (no side effects); then ``start_load`` for those blocks.
+- before a forward that writes blocks worth keeping: ``start_store(request_id, hashes, device_block_ids)``.
+- in each attention layer: ``wait_for_layer(name)`` before reading the KV, ``save_layer(name)`` after writing it.
+- after the forward: ``wait_for_save()``; each step: ``get_finished()`` -> (stored, loaded) request ids.
+- ``abort(request_id)`` at any time; its host blocks are released once its copies have drained.
+
+A request id appears in ``get_finished`` once kvplane no longer touches its device blocks (also after an
+abort), so the engine may free or reuse them then, and not before. A load that finds fewer blocks than asked
+(evicted since ``lookup``, a store that went away) loads the prefix it has, returns fewer tokens, and lists the
+rest in ``get_block_ids_with_load_errors``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from kvplane.backend.base import Backend, Event
+from kvplane.flows.offload.config import OffloadConfig
+from kvplane.flows.offload.copier import LayerCopier
+from kvplane.flows.offload.errors import OffloadError
+from kvplane.flows.offload.host_pool import HostPool
+from kvplane.flows.offload.index import HostIndex
+from kvplane.flows.offload.jobs import GroupBlocks, Ids, LoadJob, PerGroup, StoreJob, paired, per_group
+from kvplane.flows.offload.keys import fingerprint
+from kvplane.flows.offload.spill import StoreLink
+from kvplane.flows.offload.store import StoreTier
+from kvplane.kv.binding import LayoutChoice, regions_from_tensors
+from kvplane.kv.layouts import LayerValue
+from kvplane.kv.regions import Region
+from kvplane.kv.spec import KVSpec
+
+LoadRequest = tuple[str, PerGroup, PerGroup]  # (request id, block hashes, device block ids)
+
+
+class OffloadEngine:
+    def __init__(
+        self,
+        backend: Backend,
+        spec: KVSpec,
+        kv_caches: Mapping[str, LayerValue],
+        config: OffloadConfig,
+        *,
+        layouts: LayoutChoice | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        store_tier: StoreTier | None = None,
+    ) -> None:
+        self.backend, self.spec, self.config = backend, spec, config
+        self._kv_caches = kv_caches  # borrowed: the regions point into these tensors
+        regions = regions_from_tensors(spec, kv_caches, layouts if layouts is not None else backend.layouts)
+        self.pool = HostPool(backend, regions, config.host_bytes, config.pinned)
+        self.index = HostIndex(self.pool.block_bytes, self.pool.num_blocks)
+        by_layer: dict[str, list[Region]] = {}
+        for r in regions:
+            by_layer.setdefault(r.layer_name, []).append(r)
+        self.copier = LayerCopier(backend, by_layer, self.pool.regions)
+        self._layer_group = {layer.name: layer.group_id for layer in spec.layers}
+        self._group_ids = [g.group_id for g in spec.groups if g.group_id in self.pool.block_bytes]
+        self._tokens_per_block = {g.group_id: g.tokens_per_block for g in spec.groups}
+        self.fingerprint = fingerprint(spec, regions, tp_rank, tp_size)
+        self.store: StoreLink | None = None
+        if store_tier is None and config.store is not None:
+            store_tier = StoreTier(config.store)
+        if store_tier is not None:
+            self.store = StoreLink(store_tier, self.index, self.pool, self.fingerprint)
+        self._open: dict[str, StoreJob] = {}  # some layers not yet enqueued
+        self._saving: dict[str, StoreJob] = {}  # every copy enqueued (or aborted): waiting for the event
+        self._loading: dict[str, LoadJob] = {}
+        self._layer_events: dict[str, Event] = {}
+        self._stored: set[str] = set()
+        self._loaded: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # -- queries ------------------------------------------------------------------------------------------
+    def lookup(self, block_hashes: PerGroup) -> int:
+        """Leading tokens available in the host tier, then the store: the fewest over the model's groups."""
+        tokens: int | None = None
+        for g, hashes in per_group("block_hashes", block_hashes, self._group_ids).items():
+            runs = self._runs(g, hashes.tolist())
+            t = sum(count for _, count in runs) * self._tokens_per_block[g]
+            tokens = t if tokens is None else min(tokens, t)
+        return tokens or 0
+
+    def _runs(self, group: int, hashes: list[int]) -> list[tuple[bool, int]]:
+        """The available prefix as runs ``(in_store, count)``: host runs and store runs alternate."""
+        runs: list[tuple[bool, int]] = []
+        n = 0
+        while n < len(hashes):
+            in_host = self.index.cached_prefix(group, hashes[n:])
+            if in_host:
+                runs.append((False, in_host))
+                n += in_host
+            in_store = self.store.count_prefix(group, hashes[n:]) if self.store is not None and n < len(hashes) else 0
+            if not in_store:
+                break
+            runs.append((True, in_store))
+            n += in_store
+        return runs
+
+    def host_blocks_in_use(self) -> int:
+        """Host blocks referenced now (being stored, loaded or written to the store)."""
+        return self.index.num_referenced()
+
+    # -- store: device -> host ----------------------------------------------------------------------------
+    def start_store(self, request_id: str, block_hashes: PerGroup, device_block_ids: PerGroup) -> int:
+        """Reserve host blocks for the request's blocks the host tier lacks; returns how many will be copied.
+
+        Copies start with ``save_layer``. Blocks already cached are skipped (and become most recently used);
+        when the pool cannot hold them all, the leading ones are stored.
+        """
+        self._check_new(request_id)
+        before_evict = self.store.before_evict if self.store is not None else None
+        groups: dict[int, GroupBlocks] = {}
+        for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
+            held = np.fromiter((self.index.block_of(g, h) is not None for h in hashes), np.bool_, len(hashes))
+            if held.any():
+                cached = [h for h, c in zip(hashes, held) if c]
+                self.index.release(g, self.index.pin(g, cached))  # touch: most recently used
+            new = [h for h, c in zip(hashes, held) if not c]
+            ids = self.index.allocate(g, len(new), before_evict)
+            if len(ids):
+                groups[g] = GroupBlocks(device_ids[~held][: len(ids)], ids, new[: len(ids)])
+        layers = {name for name, g in self._layer_group.items() if g in groups}
+        job = StoreJob(request_id, groups, layers)
+        if layers:
+            self._open[request_id] = job
+        else:
+            self._stored.add(request_id)
+        return sum(len(b.host_ids) for b in groups.values())
+
+    def save_layer(self, layer_name: str) -> None:
+        """After layer ``layer_name`` wrote its KV: enqueue its D2H for every open store (returns at once)."""
+        group = self._group_of(layer_name)
+        jobs = [j for j in self._open.values() if layer_name in j.layers_left]
+        if not jobs:
+            return
+        device_ids = np.concatenate([j.groups[group].device_ids for j in jobs])
+        host_ids = np.concatenate([j.groups[group].host_ids for j in jobs])
+        self.copier.save(layer_name, device_ids, host_ids)
+        done = []
+        for j in jobs:
+            j.layers_left.discard(layer_name)
+            if not j.layers_left:
+                done.append(j)
+        if done:
+            event = self.copier.mark(self.copier.save_stream)
+            for j in done:
+                j.event = event
+                self._saving[j.request_id] = self._open.pop(j.request_id)
+
+    def wait_for_save(self) -> None:
+        """Enqueue the layers no ``save_layer`` covered, then block until every store's copies are done."""
+        for name in self._layer_group:
+            if any(name in j.layers_left for j in self._open.values()):
+                self.save_layer(name)
+        for job in self._saving.values():
+            if job.event is not None:
+                job.event.synchronize()
+        self.poll()
+
+    # -- load: host -> device -----------------------------------------------------------------------------
+    def start_load(self, request_id: str, block_hashes: PerGroup, device_block_ids: PerGroup) -> int:
+        """Enqueue the H2D of every layer, in order; returns the tokens that will be loaded."""
+        return self.start_loads([(request_id, block_hashes, device_block_ids)])[request_id]
+
+    def start_loads(self, requests: Iterable[LoadRequest]) -> dict[str, int]:
+        """``start_load`` for several requests at once: one copy per layer covers all of them."""
+        jobs = [self._prepare_load(rid, hashes, ids) for rid, hashes, ids in requests]
+        for name, g in self._layer_group.items():
+            parts = [j.groups[g] for j in jobs if g in j.groups]
+            if parts:
+                host_ids = np.concatenate([p.host_ids for p in parts])
+                device_ids = np.concatenate([p.device_ids for p in parts])
+                self._layer_events[name] = self.copier.load(name, host_ids, device_ids)
+        final = self.copier.mark(self.copier.load_stream)
+        out = {}
+        for j in jobs:
+            j.event = final
+            self._loading[j.request_id] = j
+            out[j.request_id] = j.tokens
+        return out
+
+    def _prepare_load(self, request_id: str, block_hashes: PerGroup, device_block_ids: PerGroup) -> LoadJob:
+        if request_id in self._loading:
+            raise OffloadError(f"request {request_id!r} is already loading; wait for it in get_finished()")
+        job = LoadJob(request_id, {})
+        tokens: list[int] = []
+        for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
+            host_ids = self._gather(g, hashes)
+            m = len(host_ids)
+            if m:
+                job.groups[g] = GroupBlocks(device_ids[:m], host_ids, hashes[:m])
+            if m < len(hashes):
+                job.error_block_ids[g] = device_ids[m:].tolist()
+                self._load_errors.update(job.error_block_ids[g])
+            tokens.append(m * self._tokens_per_block[g])
+        job.tokens = min(tokens) if tokens else 0
+        return job
+
+    def _gather(self, group: int, hashes: list[int]) -> Ids:
+        """Referenced host blocks for the available prefix of ``hashes``, fetching store runs into the host."""
+        runs = self._runs(group, hashes)
+        parts: list[Ids] = []
+        n = 0
+        for in_store, count in runs:  # pin every host run first, so fetching cannot evict them
+            if not in_store:
+                parts.append(self.index.pin(group, hashes[n : n + count]))
+            else:
+                parts.append(np.zeros(0, dtype=np.int64))
+            n += count
+        n = 0
+        for i, (in_store, count) in enumerate(runs):
+            if in_store and self.store is not None:
+                if count > self.index.pools[group].num_free:
+                    # the run will not fit, so the prefix ends inside it: later host runs are unreachable,
+                    # and unpinning them gives the fetch their room
+                    self._release_runs(group, parts[i + 1 :])
+                    parts = parts[: i + 1]
+                parts[i] = self.store.fetch(group, hashes[n : n + count])
+                if len(parts[i]) < count:  # the store came up short: the prefix ends here
+                    self._release_runs(group, parts[i + 1 :])
+                    parts = parts[: i + 1]
+                    break
+            n += count
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def _release_runs(self, group: int, runs: list[Ids]) -> None:
+        for ids in runs:
+            self.index.release(group, ids)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Before layer ``layer_name`` reads its KV: wait for that layer's H2D only (later layers keep copying)."""
+        self._group_of(layer_name)
+        event = self._layer_events.pop(layer_name, None)
+        if event is not None:
+            self.copier.order_compute_after(event)
+
+    # -- completion and aborts ----------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Retire completed stores and loads, and store calls; never blocks."""
+        for rid, job in list(self._saving.items()):
+            if job.event is None or job.event.query():
+                del self._saving[rid]
+                self._finish_store(job)
+        for rid, load in list(self._loading.items()):
+            if load.event is None or load.event.query():
+                del self._loading[rid]
+                for g, blocks in load.groups.items():
+                    self.index.release(g, blocks.host_ids)
+                self._loaded.add(rid)
+        if self.store is not None:
+            self.store.poll()
+
+    def _finish_store(self, job: StoreJob) -> None:
+        for g, blocks in job.groups.items():
+            if job.aborted:
+                self.index.release(g, blocks.host_ids)
+                continue
+            keyed = self.index.cache(g, blocks.host_ids, blocks.hashes)
+            if self.store is not None and self.store.write_through and keyed.any():
+                self.store.write(g, blocks.host_ids[keyed], [h for h, k in zip(blocks.hashes, keyed) if k])
+                self.index.release(g, blocks.host_ids[~keyed])
+            else:
+                self.index.release(g, blocks.host_ids)
+        self._stored.add(job.request_id)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Requests whose stores, and whose loads, finished (or drained after an abort) since the last call."""
+        self.poll()
+        stored, loaded = self._stored, self._loaded
+        self._stored, self._loaded = set(), set()
+        return stored, loaded
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Device block ids a load was asked for but could not fill since the last call (recompute them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request's store or load: nothing more is enqueued, its host blocks go once its copies drain."""
+        if request_id in self._open:
+            job = self._open.pop(request_id)
+            job.aborted = True
+            job.event = self.copier.mark(self.copier.save_stream)
+            self._saving[request_id] = job
+        elif request_id in self._saving:
+            self._saving[request_id].aborted = True
+        if request_id in self._loading:
+            self._loading[request_id].aborted = True  # its blocks were never keyed by this load: released as is
+
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        """Block until every copy and store call has completed (tests, the bench, shutdown); bounded."""
+        self.wait_for_save()
+        self.copier.load_stream.synchronize()
+        deadline = time.monotonic() + timeout_s
+        self.poll()
+        while self.store is not None and self.store.in_flight and time.monotonic() < deadline:
+            time.sleep(0.005)
+            self.poll()
+
+    def close(self) -> None:
+        """Finish in-flight copies, stop the copy streams, close the store client (bounded; an unreachable one
+        is abandoned). Host blocks still referenced by a store call that never returned stay allocated."""
+        self.wait_idle(timeout_s=self.config.store.timeout_s if self.config.store else 1.0)
+        for stream in (self.copier.save_stream, self.copier.load_stream):
+            stop = getattr(stream, "close", None)  # the cpu backend's worker streams own a thread
+            if callable(stop):
+                stop()
+        if self.store is not None:
+            self.store.tier.close()
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _group_of(self, layer_name: str) -> int:
+        try:
+            return self._layer_group[layer_name]
+        except KeyError:
+            raise OffloadError(
+                f"layer_name={layer_name!r} is not in the KV spec (first layers: {self.spec.layer_names[:3]}); "
+                f"pass the names the engine registered its KV caches under"
+            ) from None
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self._open or request_id in self._saving:
+            raise OffloadError(
+                f"request {request_id!r} is already storing; wait until get_finished() reports it before "
+                f"storing it again"
+            )

@@ -1,0 +1,115 @@
+"""Between the host tier and the store tier: write-through, write-back on eviction, and fetch on a host miss.
+
+Host blocks under a store call stay referenced in the host index until that call's future completes, even
+when the caller stopped waiting for it (a store that went away): a late transfer never reads or writes a block
+that was handed to someone else. Puts are asynchronous and released by ``poll``; a write-back on eviction and
+a fetch wait, bounded by the store tier, because the block is about to be reused or loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplane.flows.offload.host_pool import HostPool
+from kvplane.flows.offload.index import HostIndex
+from kvplane.flows.offload.keys import block_keys
+from kvplane.flows.offload.store import StoreTier, StoreWrite
+
+Ids = npt.NDArray[np.int64]
+
+
+class StoreLink:
+    def __init__(self, tier: StoreTier, index: HostIndex, pool: HostPool, fingerprint: str) -> None:
+        self.tier, self.index, self.pool, self.fingerprint = tier, index, pool, fingerprint
+        self.write_through = tier.config.write_through
+        self._writes: list[StoreWrite] = []
+        self._late_gets: list[tuple[Future[list[int]], int, Ids]] = []
+        for buf in pool.buffers.values():
+            tier.register(int(buf.data_ptr()), int(buf.numel()))
+
+    def keys(self, group: int, hashes: list[int]) -> list[str]:
+        return block_keys(self.tier.config.namespace, self.fingerprint, group, hashes)
+
+    def _addrs(self, group: int, ids: Ids) -> tuple[list[int], list[int]]:
+        size = self.pool.block_bytes[group]
+        base = int(self.pool.buffers[group].data_ptr())
+        return (base + ids * size).tolist(), [size] * len(ids)
+
+    # -- host -> store ------------------------------------------------------------------------------------
+    def count_prefix(self, group: int, hashes: list[int]) -> int:
+        return self.tier.count_prefix(self.keys(group, hashes))
+
+    def write(self, group: int, ids: Ids, hashes: list[int]) -> None:
+        """Put host blocks the caller holds a reference on; that reference goes with the put, released by poll."""
+        addrs, sizes = self._addrs(group, ids)
+        future = self.tier.put(self.keys(group, hashes), addrs, sizes)
+        if future is None:
+            self.index.release(group, ids)
+            return
+        nbytes = sum(sizes)
+        self._writes.append(StoreWrite(future, self.tier.put_deadline(nbytes), group, ids, nbytes))
+
+    def before_evict(self, group: int, victims: list[int], hashes: list[int]) -> None:
+        """Write back cached blocks the host tier is about to evict (write-through already put them)."""
+        if self.write_through or not victims:
+            return
+        ids = np.asarray(victims, dtype=np.int64)
+        addrs, sizes = self._addrs(group, ids)
+        future = self.tier.put(self.keys(group, hashes), addrs, sizes)
+        if future is None:
+            return
+        write = StoreWrite(future, self.tier.put_deadline(sum(sizes)), group, ids, sum(sizes))
+        try:
+            future.result(max(0.0, write.deadline - time.monotonic()))
+        except Exception:  # past its bound or failed: check_put degrades; the victims wait for the put
+            pass
+        if not self.tier.check_put(write):
+            self.index.ref(group, ids)  # still being read by the put: not evictable until it is done
+            self._writes.append(write)
+
+    # -- store -> host ------------------------------------------------------------------------------------
+    def fetch(self, group: int, hashes: list[int]) -> Ids:
+        """Bring the leading ``hashes`` the store holds into host blocks: referenced, keyed, in order."""
+        if not hashes or not self.tier.up:
+            return np.zeros(0, dtype=np.int64)
+        ids = self.index.allocate(group, len(hashes), self.before_evict)
+        addrs, sizes = self._addrs(group, ids)
+        ok, future = self.tier.get(self.keys(group, hashes[: len(ids)]), addrs, sizes)
+        got = len(ok) if all(ok) else ok.index(False)
+        self.index.cache(group, ids[:got], hashes[:got])
+        rest = ids[got:]
+        if future is not None and not future.done():
+            self._late_gets.append((future, group, rest))  # a timed-out get may still write into them
+        else:
+            self.index.release(group, rest)
+        return ids[:got]
+
+    # -- completion ---------------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Release the blocks of every store call that has completed."""
+        still: list[StoreWrite] = []
+        for write in self._writes:
+            if self.tier.check_put(write):
+                self.index.release(write.group, write.host_ids)
+            else:
+                still.append(write)
+        self._writes = still
+        late: list[tuple[Future[list[int]], int, Ids]] = []
+        for future, group, ids in self._late_gets:
+            if future.done():
+                self.index.release(group, ids)
+            else:
+                late.append((future, group, ids))
+        self._late_gets = late
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._writes) + len(self._late_gets)
+
+    def futures(self) -> list[Future[Any]]:
+        return [w.future for w in self._writes] + [f for f, _, _ in self._late_gets]

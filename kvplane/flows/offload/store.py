@@ -1,0 +1,262 @@
+"""The store tier: Mooncake Store (``MooncakeDistributedStore``) behind calls that are always bounded.
+
+The offload engine puts whole host blocks under their prefix keys (``keys.py``) and gets them back into host
+blocks; both go straight from and into the registered host pool (``batch_put_from`` / ``batch_get_into``).
+
+A store that stops answering must never fail or hang a request. Every Mooncake call runs on a daemon worker
+thread, and the caller waits at most ``timeout_s`` plus the call's bytes at ``min_gbps``. A call past its bound,
+a client that reports itself unhealthy (``health_check``), or a setup that does not finish turns the tier off
+with one warning; after ``retry_after_s`` the next call checks health again and turns it back on. A call that
+timed out may still be running: the caller keeps the host blocks it reads or writes pinned until its future
+completes (``StoreWrite.done``), so a late transfer never sees a reused block.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from kvplane.flows.offload.config import StoreConfig
+from kvplane.flows.offload.errors import StoreError
+
+logger = logging.getLogger("kvplane.offload.store")
+
+T = TypeVar("T")
+OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode for a key it does not hold: a miss, not a failure
+_ABANDONED: list[Any] = []  # clients given up on while unreachable: destroying one blocks while it retries
+
+
+class _Worker:
+    """One daemon thread running calls in order; a stuck call never keeps the process from exiting."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+
+
+@dataclass
+class StoreWrite:
+    """A put in flight: the host blocks it reads stay pinned until ``future`` is done, even past ``deadline``."""
+
+    future: Future[list[int]]
+    deadline: float
+    group: int
+    host_ids: Any  # numpy int64 ids, released by the engine once done
+    nbytes: int
+
+
+def _load_client_class() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise StoreError(
+            f"the store tier needs Mooncake Store, which does not import here ({e}); install "
+            f"`mooncake-transfer-engine-non-cuda` (CPU) or `mooncake-transfer-engine` (CUDA), never both, or "
+            f"run without OffloadConfig.store"
+        ) from e
+    return MooncakeDistributedStore
+
+
+class StoreTier:
+    def __init__(self, config: StoreConfig, client: Any = None) -> None:
+        self.config = config
+        self._client = client if client is not None else _load_client_class()()
+        self._io = _Worker("kvplane-store-io")  # puts and gets, in order
+        self._query = _Worker("kvplane-store-query")  # setup, existence checks: never queued behind bulk I/O
+        self._buffers: list[tuple[int, int]] = []
+        self._registered = False
+        self._down_reason: str | None = None
+        self._retry_at = 0.0
+        self.degradations = 0  # how many times the tier turned itself off (reports and tests)
+        c = config
+        self._setup: Future[int] = self._query.submit(
+            lambda: int(
+                self._client.setup(
+                    c.local_hostname, c.metadata_server, c.segment_bytes, c.local_buffer_bytes, c.protocol,
+                    c.device_name, c.master_address,
+                )
+            )
+        )
+        try:
+            rc = self._setup.result(c.setup_timeout_s)
+        except FutureTimeout:
+            self._degrade(f"setup with master {c.master_address} did not finish in {c.setup_timeout_s} s")
+        except Exception as e:  # a binding error is as good as unreachable: the host tier carries on
+            self._degrade(f"setup with master {c.master_address} raised {e!r}")
+        else:
+            if rc != 0:
+                self._degrade(f"setup with master {c.master_address} returned {rc}")
+
+    # -- health -------------------------------------------------------------------------------------------
+    @property
+    def up(self) -> bool:
+        """Whether store calls are being made now (checks health first, and retries after ``retry_after_s``)."""
+        if self._down_reason is not None:
+            if time.monotonic() < self._retry_at:
+                return False
+            if not (self._setup.done() and self._setup.exception() is None and self._setup.result() == 0):
+                self._retry_at = time.monotonic() + self.config.retry_after_s
+                return False
+        try:
+            healthy = int(self._client.health_check()) == 0
+        except Exception as e:
+            self._degrade(f"health_check raised {e!r}")
+            return False
+        if not healthy:
+            self._degrade("the client reports the master unreachable (health_check != 0)")
+            return False
+        if self._down_reason is not None:
+            logger.warning("Mooncake store at %s is back; using the store tier again", self.config.master_address)
+            self._down_reason = None
+        if not self._registered:
+            self._register()
+        return self._down_reason is None
+
+    def _degrade(self, reason: str) -> None:
+        self._retry_at = time.monotonic() + self.config.retry_after_s
+        if self._down_reason is None:
+            self.degradations += 1
+            logger.warning(
+                "Mooncake store at %s is unavailable (%s); continuing with the host tier only, retrying in %.0f s",
+                self.config.master_address, reason, self.config.retry_after_s,
+            )
+        self._down_reason = reason
+
+    def _bound(self, nbytes: int) -> float:
+        return self.config.timeout_s + nbytes / (self.config.min_gbps * 1e9)
+
+    def _wait(self, future: Future[T], what: str, nbytes: int = 0) -> T | None:
+        """The call's result, or None after degrading when it failed or ran past its bound."""
+        bound = self._bound(nbytes)
+        try:
+            return future.result(bound)
+        except FutureTimeout:
+            self._degrade(f"{what} did not finish in {bound:.1f} s")
+        except Exception as e:
+            self._degrade(f"{what} raised {e!r}")
+        return None
+
+    # -- memory -------------------------------------------------------------------------------------------
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Register host memory that puts read and gets write (the host pool); done again after a late setup."""
+        self._buffers.append((ptr, nbytes))
+        self._registered = False
+        if self._down_reason is None:
+            self._register()
+
+    def _register(self) -> None:
+        for ptr, nbytes in self._buffers:
+            rc = self._wait(self._query.submit(partial(self._client.register_buffer, ptr, nbytes)), "register_buffer")
+            if rc != 0:
+                if rc is not None:
+                    self._degrade(f"register_buffer of {nbytes} B returned {rc}")
+                return
+        self._registered = True
+
+    # -- calls --------------------------------------------------------------------------------------------
+    def count_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` the store holds; 0 when it is down or does not answer in time."""
+        if not keys or not self.up:
+            return 0
+        found = self._wait(self._query.submit(lambda: list(self._client.batch_is_exist(list(keys)))), "batch_is_exist")
+        if found is None:
+            return 0
+        if found and all(int(f) < 0 for f in found):
+            self._degrade(f"batch_is_exist returned errors {sorted(set(found))[:3]}")
+            return 0
+        n = 0
+        for f in found:
+            if int(f) != 1:
+                break
+            n += 1
+        return n
+
+    def put(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> Future[list[int]] | None:
+        """Start putting host ranges under ``keys``; None when the store is down (nothing was started)."""
+        if not keys or not self.up:
+            return None
+        k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
+        return self._io.submit(lambda: [int(rc) for rc in self._client.batch_put_from(k, a, s)])
+
+    def put_deadline(self, nbytes: int) -> float:
+        return time.monotonic() + self._bound(nbytes)
+
+    def check_put(self, write: StoreWrite) -> bool:
+        """True once ``write`` is done (its pins may go); degrades when it runs past its deadline or failed."""
+        if not write.future.done():
+            if time.monotonic() > write.deadline:
+                self._degrade(f"a put of {write.nbytes} B did not finish in time")
+                write.deadline = float("inf")  # warn once per write
+            return False
+        error = write.future.exception()
+        if error is not None:
+            self._degrade(f"batch_put_from raised {error!r}")
+        elif any(rc < 0 for rc in write.future.result()):
+            bad = sorted({rc for rc in write.future.result() if rc < 0})
+            logger.warning("Mooncake store refused %d put(s) (codes %s); those blocks stay host-only",
+                           sum(rc < 0 for rc in write.future.result()), bad[:3])
+        return True
+
+    def get(
+        self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
+    ) -> tuple[list[bool], Future[list[int]] | None]:
+        """Get ``keys`` into host ranges, waiting at most the bound: per-key success, and the call's future.
+
+        When the call timed out its future is still running: the caller keeps the destination pinned until
+        it is done.
+        """
+        if not keys or not self.up:
+            return [False] * len(keys), None
+        k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
+        future = self._io.submit(lambda: [int(rc) for rc in self._client.batch_get_into(k, a, s)])
+        got = self._wait(future, "batch_get_into", sum(s))
+        if got is None:
+            return [False] * len(keys), future
+        ok = [rc == size for rc, size in zip(got, s)]
+        if not any(ok) and got and all(rc < 0 and rc != OBJECT_NOT_FOUND for rc in got):
+            self._degrade(f"batch_get_into returned errors {sorted(set(got))[:3]}")
+        return ok, future
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close the client when it is healthy (bounded); an unreachable one is abandoned, never waited on."""
+        self._io.stop()
+        self._query.stop()
+        if self._down_reason is None and self._setup.done():
+            done = threading.Event()
+
+            def close() -> None:
+                try:
+                    self._client.close()
+                finally:
+                    done.set()
+
+            threading.Thread(target=close, name="kvplane-store-close", daemon=True).start()
+            if done.wait(timeout_s):
+                return
+        _ABANDONED.append(self._client)
