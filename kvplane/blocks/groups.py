@@ -1,0 +1,31 @@
+"""Block ids (or hashes) per KV-cache group, as flows take them from engines.
+
+An engine with one KV-cache group may pass one sequence; a hybrid model passes ``{group_id: ids}``. Flows
+normalise both to ``{group: int64 array}`` here, with an error of the caller's type naming what was wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplane.errors import BlockError
+
+Ids = npt.NDArray[np.int64]
+PerGroup = Sequence[int] | npt.NDArray[np.int64] | Mapping[int, Sequence[int] | npt.NDArray[np.int64]]
+
+
+def per_group(
+    what: str, value: PerGroup, group_ids: Sequence[int], error: type[Exception] = BlockError
+) -> dict[int, Ids]:
+    """``{group: int64 ids}`` from a mapping, or from one sequence when the model has a single KV-cache group."""
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(group_ids))
+        if unknown:
+            raise error(f"{what} has group id(s) {unknown}; this model's groups are {list(group_ids)}")
+        return {int(g): np.asarray(v, dtype=np.int64).ravel() for g, v in value.items()}
+    if len(group_ids) != 1:
+        raise error(f"{what} is one sequence but the model has KV-cache groups {list(group_ids)}; pass {{group_id: ...}}")
+    return {group_ids[0]: np.asarray(value, dtype=np.int64).ravel()}

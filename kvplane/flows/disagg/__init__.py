@@ -1,0 +1,33 @@
+"""The disaggregation flow: a prefill rank and a decode rank joined by a ZMQ side channel, bytes through a
+transport (Mooncake TE or NIXL), in pull, push or layer-wise push mode.
+
+``PrefillSide`` and ``DecodeSide`` are the façades an engine calls (their modules say who calls what);
+``TransferParams`` is what travels from prefill to decode through the proxy; ``Completion`` is how every
+request ends on either side: ``done``, ``failed`` or ``timed_out``.
+"""
+
+from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.decode import DecodeSide
+from kvplane.flows.disagg.errors import (
+    DisaggConfigError,
+    DisaggError,
+    HandshakeError,
+    ProtocolError,
+    TransferParamsError,
+)
+from kvplane.flows.disagg.params import TransferParams
+from kvplane.flows.disagg.prefill import PrefillSide
+from kvplane.flows.disagg.results import Completion
+
+__all__ = [
+    "Completion",
+    "DecodeSide",
+    "DisaggConfig",
+    "DisaggConfigError",
+    "DisaggError",
+    "HandshakeError",
+    "PrefillSide",
+    "ProtocolError",
+    "TransferParams",
+    "TransferParamsError",
+]

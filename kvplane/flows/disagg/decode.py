@@ -1,0 +1,518 @@
+"""``DecodeSide``: one decode rank's end of disaggregation. It pulls a finished request's KV from the prefill
+ranks that hold it, or registers its blocks for them to push into, and says when the KV is ready.
+
+Who calls what (the engine's thread; the vLLM connector wraps these):
+
+- ``start_pull(request_id, params, block_ids)``: ``params`` are what the prefill instance returned for the
+  request (``TransferParams`` or its dict, as a proxy forwards it); ``block_ids`` are this rank's blocks for it.
+- ``register_push(request_id, params, block_ids, num_tokens)``: the same blocks, offered to the prefill ranks
+  to write into, before or after the prefill finishes (whichever comes first).
+- ``get_finished()`` each step: one ``Completion`` per request: ``done`` (every byte landed and was re-laid
+  out where needed: the blocks may be read), ``failed`` or ``timed_out`` (``failed_block_ids`` lists the
+  blocks to recompute or give up on). Until then kvplane may still write the blocks: do not free them.
+- ``abort(request_id)``: stop; the request is reported once no transfer can write its blocks any more.
+
+Handshakes (manifest and compatibility check, transport descriptors), heartbeats that renew the prefill's
+lease, transfers, staging and re-layout run on this side's I/O loop thread. Every wait is bounded by
+``DisaggConfig``; a prefill rank that vanishes ends its requests ``failed`` or ``timed_out``, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvplane.backend.base import Backend
+from kvplane.blocks.groups import Ids, PerGroup
+from kvplane.errors import KvplaneError, TransferTimeout
+from kvplane.flows.disagg import channel
+from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.errors import DisaggError
+from kvplane.flows.disagg.local import LocalKV
+from kvplane.flows.disagg.loop import IOLoop
+from kvplane.flows.disagg.messages import (
+    Cancel,
+    Handshake,
+    Heartbeat,
+    Message,
+    Problem,
+    PushRegister,
+    PushResult,
+    ReadDone,
+    Reject,
+)
+from kvplane.flows.disagg.outbox import Outbox
+from kvplane.flows.disagg.params import TransferParams
+from kvplane.flows.disagg.peers import PeerRecord, check_peer
+from kvplane.flows.disagg.results import Completion, State
+from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
+from kvplane.kv.binding import LayoutChoice
+from kvplane.kv.layouts import LayerValue
+from kvplane.kv.spec import KVSpec
+from kvplane.plan.planner import TransferPlan
+from kvplane.plan.relayout import apply_relayout
+
+logger = logging.getLogger("kvplane.disagg")
+
+
+@dataclass
+class Conn:
+    """The side channel to one prefill rank, and what its handshake told us."""
+
+    host: str
+    port: int
+    rank: int
+    socket: zmq.Socket[bytes]
+    started: float
+    state: str = "handshaking"  # -> "ready" | "failed"
+    record: PeerRecord | None = None
+    error: str = ""
+    waiting: set[str] = field(default_factory=set)
+    stages: dict[tuple[str, ...], bool] = field(default_factory=dict)
+
+
+@dataclass
+class Want:
+    """One request this rank is receiving KV for."""
+
+    request_id: str
+    params: TransferParams
+    block_ids: dict[int, Ids]
+    remote_ids: dict[int, Ids]
+    num_tokens: int
+    mode: str  # "pull" or "push"
+    deadline: float
+    conns: list[Conn] = field(default_factory=list)
+    phase: str = "connect"  # -> "move" -> "drain"
+    pending: set[int] = field(default_factory=set)  # prefill ranks still moving bytes
+    staged: list[tuple[int, int, TransferPlan]] = field(default_factory=list)  # (offset, bytes, plan)
+    waiting_staging: bool = False
+    state: State | None = None  # set once the outcome is decided (the request ends when nothing moves)
+    reason: str = ""
+    aborted: bool = False
+    drain_deadline: float = 0.0
+
+
+class DecodeSide:
+    def __init__(
+        self,
+        backend: Backend,
+        spec: KVSpec,
+        kv_caches: Mapping[str, LayerValue],
+        config: DisaggConfig,
+        *,
+        layouts: LayoutChoice | None = None,
+    ) -> None:
+        self.backend, self.spec, self.config = backend, spec, config
+        self.kv_caches = kv_caches
+        self.local = LocalKV(backend, spec, kv_caches, config, "decode", layouts, config.staging_bytes)
+        self.counters = channel.Counters()
+        self._conns: dict[tuple[str, int], Conn] = {}
+        self._wants: dict[str, Want] = {}
+        self._by_remote: dict[tuple[str, str], str] = {}  # (prefill engine id, its request id) -> ours
+        self._completions: list[Completion] = []
+        self._active: set[str] = set()  # the engine thread's view: started and not yet reported
+        self._next_heartbeat = 0.0
+        self._next_check = 0.0
+        self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick)
+        self._outbox = Outbox(self.local.transport, "READ", config.max_inflight)
+        self._loop.start()
+
+    # -- engine-facing ------------------------------------------------------------------------------------
+    def start_pull(
+        self, request_id: str, params: TransferParams | Mapping[str, Any], block_ids: PerGroup,
+        num_tokens: int | None = None,
+    ) -> None:
+        """Read the request's KV from the prefill ranks named in ``params`` into ``block_ids``."""
+        p = params if isinstance(params, TransferParams) else TransferParams.from_dict(params)
+        if not p.remote_block_ids or not p.remote_boot_id:
+            raise DisaggError(
+                f"request {request_id!r}: kv_transfer_params carry no remote_block_ids/remote_boot_id, so there "
+                f"is nothing to pull; forward what the prefill's request_finished returned"
+            )
+        want = self._want(request_id, p, block_ids, p.remote_num_tokens if num_tokens is None else num_tokens,
+                          "pull", self.config.handshake_timeout_s + self.config.transfer_timeout_s)
+        if want.num_tokens > p.remote_num_tokens:
+            raise DisaggError(
+                f"request {request_id!r}: num_tokens={want.num_tokens} but the prefill holds "
+                f"{p.remote_num_tokens}; pull at most what it computed"
+            )
+        self._submit(want)
+
+    def register_push(
+        self, request_id: str, params: TransferParams | Mapping[str, Any], block_ids: PerGroup, num_tokens: int
+    ) -> None:
+        """Offer ``block_ids`` to the prefill ranks named in ``params`` to write the request's KV into."""
+        p = params if isinstance(params, TransferParams) else TransferParams.from_dict(params)
+        want = self._want(request_id, p, block_ids, num_tokens, "push", self.config.push_timeout_s)
+        self._submit(want)
+
+    def abort(self, request_id: str) -> None:
+        self._loop.submit(lambda: self._on_abort(request_id))
+
+    def get_finished(self, timeout_s: float = 10.0) -> list[Completion]:
+        """Requests that ended since the last call: ``done`` ones may be read, the rest recomputed or failed."""
+        done = self._loop.call(self._drain_completions, timeout_s)
+        self._active.difference_update(c.request_id for c in done)
+        return done
+
+    def pending_requests(self, timeout_s: float = 10.0) -> int:
+        return self._loop.call(lambda: len(self._wants), timeout_s)
+
+    def transfers_in_flight(self, timeout_s: float = 10.0) -> int:
+        """Plans of this side queued for or moving through the transport now (tests and stats)."""
+        return self._loop.call(lambda: self._outbox.moving, timeout_s)
+
+    def close(self) -> None:
+        self._loop.stop()
+        self.local.close()
+
+    def __enter__(self) -> DecodeSide:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _want(self, request_id: str, p: TransferParams, block_ids: PerGroup, num_tokens: int, mode: str,
+              budget_s: float) -> Want:
+        if request_id in self._active:
+            raise DisaggError(
+                f"request {request_id!r} is already receiving KV; wait for its Completion from get_finished() "
+                f"before starting it again"
+            )
+        ids = self.local.block_ids(request_id, block_ids, num_tokens)
+        remote = {g: np.asarray(v, dtype=np.int64) for g, v in p.block_ids(self.local.group_ids).items()} \
+            if p.remote_block_ids else {}
+        return Want(request_id, p, ids, remote, num_tokens, mode, time.monotonic() + budget_s)
+
+    def _submit(self, want: Want) -> None:
+        self._active.add(want.request_id)
+        self._loop.submit(lambda: self._add(want))
+
+    # -- loop: requests -----------------------------------------------------------------------------------
+    def _drain_completions(self) -> list[Completion]:
+        out, self._completions = self._completions, []
+        return out
+
+    def _add(self, want: Want) -> None:
+        rid = want.request_id
+        self._wants[rid] = want
+        self._by_remote[(want.params.remote_engine_id, want.params.remote_request_id)] = rid
+        p = want.params
+        for rank in range(p.tp_size):
+            conn = self._conn(p.remote_host, p.remote_port + rank, rank, p.remote_boot_id if want.mode == "pull" else "")
+            conn.waiting.add(rid)
+            want.conns.append(conn)
+        self._maybe_start(want)
+
+    def _conn(self, host: str, port: int, rank: int, boot_id: str) -> Conn:
+        """The connection to one prefill rank; a new handshake when there is none, it failed, or the rank's
+        lifetime differs from the one a request names (it restarted)."""
+        conn = self._conns.get((host, port))
+        stale = conn is not None and conn.state == "ready" and boot_id and conn.record is not None \
+            and conn.record.boot_id != boot_id
+        if conn is None or conn.state == "failed" or stale:
+            if conn is not None:
+                self._loop.unwatch(conn.socket)
+            sock = channel.dealer(self._loop.context, host, port)
+            conn = Conn(host, port, rank, sock, time.monotonic())
+            self._conns[(host, port)] = conn
+            self._loop.watch(sock, partial(self._on_readable, conn))
+            channel.send(sock, self.local.handshake(), self.counters)
+        return conn
+
+    def _maybe_start(self, want: Want) -> None:
+        if want.phase != "connect" or want.state is not None:
+            return
+        failed = [c for c in want.conns if c.state == "failed"]
+        if failed:
+            self._complete(want, "failed", f"handshake with prefill rank {failed[0].rank} at "
+                                           f"{failed[0].host}:{failed[0].port} failed: {failed[0].error}")
+            return
+        if any(c.state != "ready" for c in want.conns):
+            return
+        for conn in want.conns:
+            assert conn.record is not None
+            conn.waiting.discard(want.request_id)
+            if conn.record.engine_id != want.params.remote_engine_id:
+                self._complete(want, "failed", f"{conn.host}:{conn.port} is engine {conn.record.engine_id!r}, but "
+                                               f"kv_transfer_params name {want.params.remote_engine_id!r}")
+                return
+            if want.mode == "pull" and conn.record.boot_id != want.params.remote_boot_id:
+                self._complete(want, "failed", f"prefill rank {conn.rank} restarted since it finished this "
+                                               f"request; the KV it held is gone (recompute it)")
+                return
+        self._start(want)
+
+    def _start(self, want: Want) -> None:
+        try:
+            sources = layers_by_source(self.local.manifest, want.params.tp_size, want.params.remote_request_id)
+            staging = self._take_staging(want, sources)
+        except KvplaneError as e:
+            self._decide(want, "failed", f"cannot plan the transfer: {e}")
+            self._finish(want)  # tells the prefill ranks, so they free their blocks without waiting for the lease
+            return
+        if staging is None:
+            want.waiting_staging = True  # retried on each tick until room frees or the deadline passes
+            return
+        want.waiting_staging = False
+        want.phase = "move"
+        try:
+            if want.mode == "pull":
+                self._start_reads(want, sources, staging)
+            else:
+                self._start_push(want, sources, staging)
+        except KvplaneError as e:
+            self._decide(want, "failed", f"cannot plan the transfer: {e}")
+            self._finish(want)
+
+    def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
+        """Staging ``(offset, bytes)`` per prefill rank that needs it; None when the arena is full for now."""
+        out: dict[int, tuple[int, int]] = {}
+        for rank, layers in sources.items():
+            conn = want.conns[rank]
+            assert conn.record is not None
+            key = tuple(layers)
+            if conn.stages.get(key, True):
+                src_ids = want.remote_ids if want.mode == "pull" else _stand_in_ids(conn, want.num_tokens)
+                need = staging_needed(conn.record.manifest, self.local.manifest, src_ids, want.block_ids,
+                                      want.num_tokens, layers)
+                conn.stages[key] = need > 0
+                if need:
+                    offset = self.local.arena.take(need)
+                    if offset is None:
+                        for o, _ in out.values():
+                            self.local.arena.give(o)
+                        return None
+                    out[rank] = (offset, need)
+        return out
+
+    def _start_reads(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]) -> None:
+        plans = []
+        for rank, layers in sources.items():
+            conn = want.conns[rank]
+            assert conn.record is not None
+            area = staging.get(rank)
+            tp = route_plan(conn.record.manifest, self.local.manifest, want.remote_ids, want.block_ids,
+                            want.num_tokens, layers,
+                            (self.local.staging_addr + area[0], area[1]) if area else None)
+            if area:
+                want.staged.append((area[0], area[1], tp))
+            plans.append((rank, conn, tp))
+        want.pending = {rank for rank, _, _ in plans}
+        for rank, conn, tp in plans:
+            assert conn.record is not None
+            self._outbox.put(conn.record.handle, tp.plan, partial(self._moved, want, rank))
+
+    def _start_push(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]) -> None:
+        for rank, layers in sources.items():
+            area = staging.get(rank)
+            if area:  # plan here too, for the staged layers this rank re-lays out once the push lands
+                conn = want.conns[rank]
+                assert conn.record is not None
+                tp = route_plan(conn.record.manifest, self.local.manifest, _stand_in_ids(conn, want.num_tokens),
+                                want.block_ids, want.num_tokens, layers, (self.local.staging_addr + area[0], area[1]))
+                want.staged.append((area[0], area[1], tp))
+        want.pending = set(range(want.params.tp_size))
+        for conn in want.conns:
+            assert conn.record is not None
+            area = staging.get(conn.rank)
+            channel.send(conn.socket, PushRegister(
+                request_id=want.params.remote_request_id,
+                engine_id=self.config.engine_id,
+                rank=self.config.rank,
+                tp_size=self.config.tp_size,
+                block_ids={g: ids.tolist() for g, ids in want.block_ids.items()},
+                num_tokens=want.num_tokens,
+                staging_addr=self.local.staging_addr + area[0] if area else 0,
+                staging_bytes=area[1] if area else 0,
+                expect_boot=conn.record.boot_id,
+            ), self.counters)
+
+    def _moved(self, want: Want, rank: int, error: KvplaneError | None) -> None:
+        want.pending.discard(rank)
+        if error is not None:
+            self._decide(want, "timed_out" if isinstance(error, TransferTimeout) else "failed",
+                         f"READ from prefill rank {rank} failed: {error}")
+        if not want.pending:
+            self._finish(want)
+
+    def _on_abort(self, request_id: str) -> None:
+        want = self._wants.get(request_id)
+        if want is None:
+            return
+        want.aborted = True
+        self._decide(want, "failed", "aborted on the decode instance")
+        if want.phase == "connect":
+            self._finish(want)
+        elif want.mode == "push" and want.phase == "move":
+            self._cancel_push(want)
+
+    # -- loop: messages -----------------------------------------------------------------------------------
+    def _on_readable(self, conn: Conn, sock: zmq.Socket[bytes]) -> None:
+        for _, message in channel.receive(sock, self.config.max_message_bytes, self.counters, routed=False):
+            self._dispatch(conn, message)
+
+    def _dispatch(self, conn: Conn, message: Message) -> None:
+        if isinstance(message, Handshake):
+            self._on_handshake(conn, message)
+        elif isinstance(message, Reject):
+            self._conn_failed(conn, f"the prefill rank rejected the handshake: {message.reason}")
+        elif isinstance(message, PushResult | Problem):
+            engine = conn.record.engine_id if conn.record is not None else ""
+            rid = self._by_remote.get((engine, message.request_id))
+            want = self._wants.get(rid) if rid is not None else None
+            if want is None:
+                return
+            if isinstance(message, Problem):
+                self._decide(want, "failed", f"prefill rank {message.rank}: {message.reason}")
+                if want.mode == "push" or want.phase == "connect":
+                    want.pending.discard(message.rank)
+            else:
+                want.pending.discard(message.rank)
+                if not message.ok:
+                    self._decide(want, "failed", f"push from prefill rank {message.rank} failed: {message.reason}")
+            if want.phase != "connect" and not want.pending:
+                self._finish(want)
+            elif want.phase == "connect" and want.state is not None:
+                self._finish(want)
+        else:
+            self.counters.rejected += 1
+            logger.warning("decode rank %d: %s is not a message a decode rank takes; dropped", self.config.rank,
+                           type(message).__name__)
+
+    def _on_handshake(self, conn: Conn, hello: Handshake) -> None:
+        if conn.state != "handshaking":
+            return
+        try:
+            record = check_peer(self.local, hello, expect_role="prefill")
+            if hello.rank != conn.rank:
+                raise DisaggError(f"{conn.host}:{conn.port} answered as rank {hello.rank}, expected rank {conn.rank}")
+        except KvplaneError as e:
+            self._conn_failed(conn, str(e))
+            return
+        conn.record, conn.state = record, "ready"
+        for rid in list(conn.waiting):
+            want = self._wants.get(rid)
+            if want is not None:
+                self._maybe_start(want)
+
+    def _conn_failed(self, conn: Conn, reason: str) -> None:
+        conn.state, conn.error = "failed", reason
+        logger.warning("decode rank %d: prefill rank at %s:%d: %s", self.config.rank, conn.host, conn.port, reason)
+        for rid in list(conn.waiting):
+            want = self._wants.get(rid)
+            if want is not None:
+                self._maybe_start(want)
+        conn.waiting.clear()
+
+    # -- loop: completion ---------------------------------------------------------------------------------
+    def _decide(self, want: Want, state: State, reason: str) -> None:
+        if want.state is None:
+            want.state, want.reason = state, reason
+
+    def _cancel_push(self, want: Want) -> None:
+        want.phase = "drain"
+        want.drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        for conn in want.conns:
+            if conn.rank in want.pending:
+                channel.send(conn.socket, Cancel(want.params.remote_request_id, self.config.engine_id,
+                                                 self.config.rank), self.counters)
+
+    def _finish(self, want: Want) -> None:
+        """Nothing moves into the request's blocks any more: re-lay out, tell the prefill, report."""
+        if want.state is None:
+            try:
+                self._relayout(want)
+            except Exception as e:  # a re-layout that fails leaves the blocks untrustworthy
+                self._decide(want, "failed", f"re-layout of staged blocks failed: {e!r}")
+        if want.mode == "pull":
+            for conn in want.conns:
+                if conn.record is not None:
+                    channel.send(conn.socket, ReadDone(
+                        want.params.remote_request_id, self.config.engine_id, self.config.rank,
+                        self.config.tp_size, want.state is None, conn.record.boot_id), self.counters)
+        self._complete(want, want.state or "done", want.reason)
+
+    def _relayout(self, want: Want) -> None:
+        staging = self.local.staging
+        if not want.staged or staging is None:
+            return
+        for offset, nbytes, tp in want.staged:
+            area = staging[offset : offset + nbytes]
+            for staged in tp.staged:
+                layer = self.spec.layer(staged.layer_name)
+                apply_relayout(staged, area, layer, self.local.layouts[layer.family],
+                               self.kv_caches[staged.layer_name])
+        self.backend.synchronize()
+
+    def _complete(self, want: Want, state: State, reason: str = "") -> None:
+        for offset, _, _ in want.staged:
+            self.local.arena.give(offset)
+        want.staged.clear()
+        for conn in want.conns:
+            conn.waiting.discard(want.request_id)
+        if self._wants.get(want.request_id) is want:
+            del self._wants[want.request_id]
+            self._by_remote.pop((want.params.remote_engine_id, want.params.remote_request_id), None)
+        failed = {} if state == "done" else {g: tuple(int(b) for b in ids) for g, ids in want.block_ids.items()}
+        if state != "done":
+            logger.warning("decode rank %d: request %s %s (%s)", self.config.rank, want.request_id, state, reason)
+        self._completions.append(Completion(want.request_id, state, failed, reason))
+
+    # -- loop: time ---------------------------------------------------------------------------------------
+    def _tick(self) -> float:
+        self._outbox.pump()
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + 0.02
+            self._check_deadlines(now)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_s
+            self._heartbeat()
+        return 0.0005 if self._outbox.busy else 0.02
+
+    def _check_deadlines(self, now: float) -> None:
+        for conn in list(self._conns.values()):
+            if conn.state == "handshaking" and now - conn.started > self.config.handshake_timeout_s:
+                self._conn_failed(conn, f"no answer to the handshake within {self.config.handshake_timeout_s} s; "
+                                        f"is the prefill instance running and reachable?")
+        for want in list(self._wants.values()):
+            if want.waiting_staging and want.phase == "connect" and want.state is None:
+                self._start(want)
+            if want.phase == "connect" and (now > want.deadline or want.state is not None):
+                self._decide(want, "timed_out", "the transfer did not start before the deadline (waiting for the "
+                                                "handshake or for staging room)")
+                self._finish(want)
+            elif want.phase == "move" and now > want.deadline:
+                self._decide(want, "timed_out", "the KV did not arrive before the deadline")
+                if want.mode == "push":
+                    self._cancel_push(want)
+            elif want.phase == "drain" and now > want.drain_deadline:
+                self._finish(want)
+
+    def _heartbeat(self) -> None:
+        by_conn: dict[tuple[str, int], list[str]] = {}
+        for want in self._wants.values():
+            if want.phase in ("connect", "move"):
+                for conn in want.conns:
+                    if conn.state == "ready":
+                        by_conn.setdefault((conn.host, conn.port), []).append(want.params.remote_request_id)
+        for key, rids in by_conn.items():
+            channel.send(self._conns[key].socket, Heartbeat(self.config.engine_id, self.config.rank, rids),
+                         self.counters)
+
+
+def _stand_in_ids(conn: Conn, num_tokens: int) -> dict[int, Ids]:
+    """Source block ids for sizing and planning a push here: the prefill's ids are not known on this side,
+    and where staged layers land depends only on how many source blocks the tokens take."""
+    assert conn.record is not None
+    spec = conn.record.manifest.spec
+    return {g.group_id: np.zeros(-(-num_tokens // g.tokens_per_block), dtype=np.int64) for g in spec.groups}

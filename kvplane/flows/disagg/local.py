@@ -1,0 +1,110 @@
+"""One rank's KV cache as the disaggregation flow sees it: regions, manifest, transport, staging buffer.
+
+Built by ``PrefillSide`` and ``DecodeSide`` from the engine's tensors (borrowed, as vLLM's
+``register_kv_caches`` hands them over). The transport registers the cache's spans (merged and aligned by the
+backend) plus the staging buffer, and its ``PeerInfo`` travels in the handshake with the manifest.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvplane.backend.base import Backend
+from kvplane.blocks.groups import Ids, PerGroup, per_group
+from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.errors import DisaggError
+from kvplane.flows.disagg.messages import Handshake
+from kvplane.flows.disagg.staging import StagingArena
+from kvplane.kv.binding import LayoutChoice, layouts_by_family, regions_from_tensors
+from kvplane.kv.layouts import LayerValue, Layout
+from kvplane.kv.manifest import Manifest
+from kvplane.kv.regions import Region
+from kvplane.kv.spec import KVSpec
+from kvplane.transports.base import Transport, TransportConfig
+from kvplane.transports.registry import get_transport_class
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _staging_region(addr: int, nbytes: int) -> Region:
+    """The staging buffer as one pseudo-region, so the backend merges and aligns it with the cache's spans."""
+    return Region(0, -1, "<staging>", "staging", addr, 1, nbytes, nbytes, 1, 1, nbytes)
+
+
+class LocalKV:
+    def __init__(
+        self,
+        backend: Backend,
+        spec: KVSpec,
+        kv_caches: Mapping[str, LayerValue],
+        config: DisaggConfig,
+        role: str,
+        layouts: LayoutChoice | None = None,
+        staging_bytes: int = 0,
+    ) -> None:
+        self.backend, self.spec, self.config, self.role = backend, spec, config, role
+        self.kv_caches = kv_caches
+        self.layouts: dict[str, Layout] = layouts_by_family(layouts if layouts is not None else backend.layouts)
+        self.regions = regions_from_tensors(spec, kv_caches, self.layouts)
+        self.manifest = Manifest(
+            config.engine_id, config.rank, config.tp_size, backend.torch_device_type, spec,
+            {family: layout.name for family, layout in self.layouts.items()}, tuple(self.regions),
+        )
+        self.boot_id = config.boot_id or uuid.uuid4().hex
+        self.group_ids = [g.group_id for g in spec.groups]
+        self.staging: torch.Tensor | None = None
+        to_register = list(self.regions)
+        if staging_bytes:
+            align = max(backend.registration_alignment, 64)
+            padded = -(-staging_bytes // align) * align
+            raw = backend.alloc_device(padded + align)  # room to align the start and register whole units
+            start = -raw.data_ptr() % align
+            self.staging = raw[start : start + staging_bytes]
+            to_register.append(_staging_region(raw.data_ptr() + start, padded))
+        self.arena = StagingArena(staging_bytes)
+        transport_cls = get_transport_class(config.transport)
+        self.transport: Transport = transport_cls(
+            backend,
+            TransportConfig(host=config.host, timeout_s=config.transfer_timeout_s),
+            agent_name=f"{config.engine_id}-{role}-{config.rank}-{self.boot_id[:8]}",
+        )
+        self.transport.register(backend.registration_spans(to_register))  # merged with the cache's spans
+
+    def block_ids(self, request_id: str, block_ids: PerGroup, num_tokens: int) -> dict[int, Ids]:
+        """The engine's block ids per group, checked to hold ``num_tokens`` tokens in every group."""
+        ids = per_group("block_ids", block_ids, self.group_ids, DisaggError)
+        if num_tokens < 1:
+            raise DisaggError(f"request {request_id!r}: num_tokens={num_tokens} must be >= 1")
+        for g, group_ids in ids.items():
+            per_block = self.spec.group(g).tokens_per_block
+            need = -(-num_tokens // per_block)
+            if len(group_ids) < need:
+                raise DisaggError(
+                    f"request {request_id!r} group {g}: {len(group_ids)} block ids cannot hold num_tokens="
+                    f"{num_tokens}; pass {need} blocks of {per_block} tokens"
+                )
+        return ids
+
+    @property
+    def staging_addr(self) -> int:
+        return int(self.staging.data_ptr()) if self.staging is not None else 0
+
+    def handshake(self) -> Handshake:
+        return Handshake(
+            engine_id=self.config.engine_id,
+            boot_id=self.boot_id,
+            role=self.role,
+            rank=self.config.rank,
+            tp_size=self.config.tp_size,
+            manifest=self.manifest.encode(),
+            peer=msgspec.msgpack.encode(self.transport.peer_info()),
+            fingerprint=self.manifest.fingerprint,
+        )
+
+    def close(self) -> None:
+        self.transport.close()
