@@ -8,12 +8,6 @@ Each test runs once per engine; an engine that does not import here is skipped w
 from __future__ import annotations
 
 import hashlib
-import os
-import select
-import signal
-import struct
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from framed import ChildDied, FramedProcess
 
 from kvplane.backend import get_backend
 from kvplane.backend.base import Backend
@@ -45,60 +40,27 @@ KILL_BYTES, KILL_BLOCK = 512 * MiB, 256 * KiB
 STARTUP_S = 90.0
 
 
-class Peer:
-    """A ``transport_peer.py`` process and its framed msgpack channel."""
+class Peer(FramedProcess):
+    """A ``transport_peer.py`` process and its framed msgpack channel; a silent peer fails the test."""
 
     def __init__(self, engine: str, nbytes: int, seed: int, log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(PEER_SCRIPT), engine, str(nbytes), str(seed)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-            )
-        self._pending = b""
+        super().__init__([str(PEER_SCRIPT), engine, str(nbytes), str(seed)], log)
         hello = self.read(STARTUP_S)
         self.info = msgspec.msgpack.decode(hello["info"], type=PeerInfo)
         self.base, self.nbytes = int(hello["base"]), int(hello["nbytes"])
 
-    def send(self, **message: Any) -> None:
-        body = msgspec.msgpack.encode(message)
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(struct.pack(">I", len(body)) + body)
-        self.proc.stdin.flush()
+    def read(self, timeout: float = ERROR_BOUND_S) -> Any:
+        try:
+            return super().read(timeout)
+        except ChildDied as e:
+            pytest.fail(str(e))
 
-    def read(self, timeout: float = ERROR_BOUND_S) -> dict[str, Any]:
-        head = self._take(4, timeout)
-        reply: dict[str, Any] = msgspec.msgpack.decode(self._take(struct.unpack(">I", head)[0], timeout))
-        return reply
-
-    def ask(self, timeout: float = ERROR_BOUND_S, **message: Any) -> dict[str, Any]:
+    def ask(self, timeout: float = ERROR_BOUND_S, **message: Any) -> Any:
         self.send(**message)
         return self.read(timeout)
 
-    def _take(self, size: int, timeout: float) -> bytes:
-        assert self.proc.stdout is not None
-        fd, end = self.proc.stdout.fileno(), time.monotonic() + timeout
-        while len(self._pending) < size:
-            ready, _, _ = select.select([fd], [], [], max(0.0, end - time.monotonic()))
-            chunk = os.read(fd, 1 << 16) if ready else b""
-            if not chunk:
-                tail = self.log.read_text(errors="replace")[-3000:]
-                pytest.fail(f"peer sent nothing within {timeout} s (exit code {self.proc.poll()}); its log:\n{tail}")
-            self._pending += chunk
-        out, self._pending = self._pending[:size], self._pending[size:]
-        return out
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(ERROR_BOUND_S)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send(cmd="exit")
-                self.proc.wait(ERROR_BOUND_S)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill()
+    def close(self, timeout: float = ERROR_BOUND_S) -> None:
+        super().close(timeout)
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 It allocates ``NBYTES`` of host memory through the cpu backend, fills it with ``numpy.random.default_rng(SEED)
 .bytes`` (``SEED`` < 0: leaves it untouched), registers it with the kvplane transport ``ENGINE`` and serves.
-Messages are msgpack maps, each framed by a 4-byte big-endian length: commands on stdin, replies on the
-process's original stdout (the engines' own log lines are sent to stderr). The first reply is
+Messages are msgpack maps framed as in ``tests/unit/framed.py``: commands on stdin, replies on the process's
+original stdout (the engines' own log lines are sent to stderr). The first reply is
 ``{"info": <msgpack PeerInfo>, "base": addr, "nbytes": n}``. Commands (``cmd``):
 
 - ``connect`` (``peer``: msgpack PeerInfo) -> ``{"name": handle}``: load the test's rank (NIXL needs it
@@ -18,29 +18,14 @@ process's original stdout (the engines' own log lines are sent to stderr). The f
 from __future__ import annotations
 
 import hashlib
-import os
-import struct
 import sys
 import time
-from typing import Any, BinaryIO
+from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-
-
-def read_frame(stream: BinaryIO) -> Any:
-    head = stream.read(4)
-    if len(head) < 4:
-        return None
-    (size,) = struct.unpack(">I", head)
-    return msgspec.msgpack.decode(stream.read(size))
-
-
-def write_frame(stream: BinaryIO, message: Any) -> None:
-    body = msgspec.msgpack.encode(message)
-    stream.write(struct.pack(">I", len(body)) + body)
-    stream.flush()
+from framed import read_frame, reply_channel, write_frame
 
 
 def make_transport(engine: str) -> Any:
@@ -54,8 +39,7 @@ def make_transport(engine: str) -> Any:
 
 
 def main(engine: str, nbytes: int, seed: int) -> None:
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # NIXL and UCX print to stdout; keep the reply channel clean
+    replies = reply_channel()  # NIXL and UCX print to stdout; keep the reply channel clean
     from kvplane.transports.base import PeerInfo
 
     backend, transport = make_transport(engine)
