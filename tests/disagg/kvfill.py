@@ -1,0 +1,50 @@
+"""Seeded byte patterns in an engine cache, and digests of a request's blocks, for the P/D byte checks.
+
+Every int64 word of the cache gets a value derived from its position and the seed, so a misplaced block never
+matches. ``digest`` hashes a request's tokens in every slot, in spec order, to compare two caches of the same layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from kvplane.kv.layouts import LayerValue, get_layout
+from kvplane.kv.spec import KVSpec
+
+
+def tensors_of(cache: Mapping[str, LayerValue]) -> list[torch.Tensor]:
+    return [t for v in cache.values() for t in ((v,) if isinstance(v, torch.Tensor) else v)]
+
+
+def fill(cache: Mapping[str, LayerValue], seed: int) -> None:
+    offset = 0
+    for t in tensors_of(cache):
+        words = t.view(-1).view(torch.uint8).view(torch.int64)
+        torch.arange(offset, offset + words.numel(), dtype=torch.int64, out=words)
+        words.mul_(0x9E3779B1).add_(seed << 40)
+        offset += words.numel()
+
+
+def zero(cache: Mapping[str, LayerValue]) -> None:
+    for t in tensors_of(cache):
+        t.zero_()
+
+
+def digest(
+    spec: KVSpec, cache: Mapping[str, LayerValue], layout: str, table: Mapping[int, list[int]], tokens: int
+) -> str:
+    """A hash of the request's first ``tokens`` tokens (``table``: block ids per group) of every slot of every
+    layer; for token-major layouts (a block's rows are its tokens)."""
+    h = hashlib.blake2b(digest_size=16)
+    lay = get_layout(layout)
+    for layer in spec.layers:
+        ids = torch.as_tensor(np.asarray(table[layer.group_id], dtype=np.int64))
+        tokens_per_block = spec.group(layer.group_id).tokens_per_block
+        for st in lay.slot_tensors(layer, tokens_per_block, cache[layer.name]):
+            rows = st.tensor.index_select(0, ids).reshape(len(ids) * tokens_per_block, -1)[:tokens]
+            h.update(rows.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

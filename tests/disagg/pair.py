@@ -1,0 +1,85 @@
+"""In-process prefill and decode sides on bare caches, for the failure and load tests.
+
+Both sides run in the test process with real transports on 127.0.0.1 (two engines, two ports) and talk over
+real ZMQ sockets; ``Engine`` plays the engine around a side: a kvplane ``BlockPool`` hands out its blocks, and
+they go back only when the side reports the request, so a leak shows as a pool that is not whole.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfill import fill
+
+from kvplane.backend import get_backend
+from kvplane.blocks.pool import BlockPool
+from kvplane.flows.disagg import Completion, DecodeSide, DisaggConfig, PrefillSide, TransferParams
+from kvplane.kv.binding import allocate_cache
+from kvplane.kv.spec import KVSpec
+
+cpu = get_backend("cpu")
+FAST = {"lease_s": 5.0, "heartbeat_s": 0.5, "transfer_timeout_s": 10.0, "handshake_timeout_s": 5.0,
+        "push_timeout_s": 15.0, "drain_timeout_s": 5.0}
+
+
+def small_spec(block: int = 16, layers: int = 4) -> KVSpec:
+    return KVSpec.gqa(layers, 4, 32, tokens_per_block=block, dtype="float32")
+
+
+@dataclass
+class Engine:
+    """A side plus the block pool an engine would keep beside it."""
+
+    side: Any
+    spec: KVSpec
+    cache: dict[str, Any]
+    layout: str
+    pool: BlockPool
+    done: dict[str, Completion] = field(default_factory=dict)
+
+    def allocate(self, tokens: int) -> list[int]:
+        return self.pool.allocate(-(-tokens // self.spec.groups[0].tokens_per_block))
+
+    def collect(self) -> dict[str, Completion]:
+        for c in self.side.get_finished():
+            assert c.request_id not in self.done, f"{c.request_id} reported twice"
+            self.done[c.request_id] = c
+        return self.done
+
+    def wait(self, request_id: str, within_s: float = 30.0) -> Completion:
+        end = time.monotonic() + within_s
+        while request_id not in self.collect():
+            if time.monotonic() > end:
+                raise AssertionError(f"{request_id} not reported within {within_s} s")
+            time.sleep(0.002)
+        return self.done[request_id]
+
+    @property
+    def whole(self) -> bool:
+        return self.pool.num_free == self.pool.num_blocks
+
+    def close(self) -> None:
+        self.side.close()
+
+
+def make(role: str, spec: KVSpec, layout: str = "gqa_fused", num_blocks: int = 64, seed: int = 0,
+         engine: str = "mooncake", **config: Any) -> Engine:
+    cache = allocate_cache(spec, layout, num_blocks)
+    if seed:
+        fill(cache, seed)
+    settings = {"engine_id": f"{role}-{uuid.uuid4().hex[:6]}", "transport": engine, **FAST, **config}
+    cls = PrefillSide if role == "prefill" else DecodeSide
+    side = cls(cpu, spec, cache, DisaggConfig(**settings), layouts=layout)
+    return Engine(side, spec, cache, layout, BlockPool(num_blocks))
+
+
+def push_params(prefill_port: int, request_id: str, engine_id: str, tp: int = 1) -> TransferParams:
+    """What a proxy tells a decode instance before the prefill has run (push mode)."""
+    return TransferParams(
+        remote_engine_id=engine_id, remote_request_id=request_id, remote_block_ids=[], remote_host="127.0.0.1",
+        remote_port=prefill_port, tp_size=tp, remote_block_size=16, remote_num_tokens=0, remote_boot_id="",
+        kvplane_mode="push",
+    )

@@ -1,0 +1,187 @@
+"""One rank of a prefill or decode instance, as its own process: ``python rank_worker.py``.
+
+It runs the tiny model on a paged cache and exchanges KV through kvplane's ``PrefillSide`` / ``DecodeSide``.
+The test process drives it with framed msgpack commands (``framed.py``); TP ranks of one instance join a gloo
+process group so the model can all-gather head outputs. Commands (``cmd``) and replies:
+
+- ``group`` (world, rank, init_method) -> {}: join the instance's process group (TP > 1 only);
+- ``setup`` (role, shape, layout, config, num_blocks) -> {port, base_port}: a fresh cache, model and side;
+- ``setup_cache`` (role, spec, layout, config, num_blocks, seed) -> the same for a bare cache holding a seeded
+  pattern, and ``hold`` (request_id, table, num_tokens) -> {params}: ``request_finished`` without a model;
+- ``digest`` (table, tokens) -> {digest}: of a request's tokens, to compare caches across processes;
+- ``prefill`` (request_id, prompt, table, layerwise) -> {params, logits, first}: the prompt's forward, with
+  ``start_request``/``save_layer`` hooks when layer-wise, then ``request_finished``;
+- ``pull`` / ``push`` (request_id, params, table, num_tokens) -> {}: ``start_pull`` / ``register_push``;
+- ``wait`` (request_id, within) -> the request's completion, or {state: "none"} when none came in time;
+- ``decode`` (first, start, steps, table) -> {tokens, logits};
+- ``finished`` -> completions so far; ``held`` -> requests the side still holds; ``teardown``; ``exit``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import msgspec
+import torch
+from framed import read_frame, reply_channel, write_frame
+from kvfill import digest, fill
+from tiny_model import Shape, TinyDecoder
+
+
+class Worker:
+    def __init__(self) -> None:
+        from kvplane.backend import get_backend
+
+        self.backend = get_backend("cpu")
+        self.side: Any = None
+        self.model: TinyDecoder | None = None
+        self.completions: dict[str, dict[str, Any]] = {}
+
+    def gather(self, heads: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(heads) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, heads.contiguous())
+        return torch.cat(parts, dim=1)
+
+    def handle(self, msg: dict[str, Any]) -> Any:
+        cmd = msg["cmd"]
+        if cmd == "group":
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=msg["init_method"], rank=msg["rank"],
+                                    world_size=msg["world"])
+            return {}
+        if cmd == "setup":
+            return self.setup(msg)
+        if cmd == "setup_cache":
+            return self.setup_cache(msg)
+        if cmd == "prefill":
+            return self.prefill(msg)
+        if cmd == "hold":
+            table = {int(g): v for g, v in msg["table"].items()}
+            return {"params": self.side.request_finished(msg["request_id"], table, msg["num_tokens"]).to_dict()}
+        if cmd == "digest":
+            table = {int(g): v for g, v in msg["table"].items()}
+            return {"digest": digest(self.spec, self.cache, self.layout, table, msg["tokens"])}
+        if cmd in ("pull", "push"):
+            table = {int(g): v for g, v in msg["table"].items()}
+            if cmd == "pull":
+                self.side.start_pull(msg["request_id"], msg["params"], table, msg.get("num_tokens"))
+            else:
+                self.side.register_push(msg["request_id"], msg["params"], table, msg["num_tokens"])
+            return {}
+        if cmd == "wait":
+            return self.wait(msg["request_id"], float(msg["within"]))
+        if cmd == "decode":
+            assert self.model is not None
+            table = {int(g): v for g, v in msg["table"].items()}
+            tokens, logits = self.model.decode(msg["first"], msg["start"], msg["steps"], table, self.gather)
+            return {"tokens": tokens, "logits": torch.stack(logits).numpy().tobytes()}
+        if cmd == "finished":
+            self.collect()
+            return self.completions
+        if cmd == "held":
+            return {"held": self.side.held_requests() if hasattr(self.side, "held_requests")
+                    else self.side.pending_requests()}
+        if cmd == "teardown":
+            if self.side is not None:
+                self.side.close()
+            self.side, self.model, self.completions = None, None, {}
+            return {}
+        return {"error": f"unknown command {cmd!r}"}
+
+    def setup(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
+        from kvplane.kv.binding import allocate_cache
+
+        if self.side is not None:
+            self.side.close()
+        shape = Shape(**msg["shape"])
+        cache = allocate_cache(shape.spec(), msg["layout"], msg["num_blocks"])
+        self.model = TinyDecoder(shape, msg["layout"], cache)
+        config = DisaggConfig(**msg["config"])
+        cls = PrefillSide if msg["role"] == "prefill" else DecodeSide
+        self.side = cls(self.backend, shape.spec(), cache, config, layouts=msg["layout"])
+        self.spec, self.layout, self.cache = shape.spec(), msg["layout"], cache
+        self.completions = {}
+        port = getattr(self.side, "port", 0)
+        return {"port": port, "base_port": port - config.rank if port else 0}
+
+    def setup_cache(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A side on a bare cache filled with a seeded pattern (no model): bulk and failure tests."""
+        from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
+        from kvplane.kv.binding import allocate_cache
+        from kvplane.kv.spec import KVSpec
+
+        if self.side is not None:
+            self.side.close()
+        self.spec = msgspec.msgpack.decode(msg["spec"], type=KVSpec)
+        self.layout = msg["layout"]
+        self.cache = allocate_cache(self.spec, self.layout, msg["num_blocks"])
+        fill(self.cache, msg["seed"])
+        config = DisaggConfig(**msg["config"])
+        cls = PrefillSide if msg["role"] == "prefill" else DecodeSide
+        self.side = cls(self.backend, self.spec, self.cache, config, layouts=self.layout)
+        self.model, self.completions = None, {}
+        port = getattr(self.side, "port", 0)
+        return {"port": port, "base_port": port - config.rank if port else 0}
+
+    def prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.model is not None
+        rid, prompt = msg["request_id"], msg["prompt"]
+        table = {int(g): v for g, v in msg["table"].items()}
+        layerwise = msg.get("layerwise", False)
+        if layerwise:
+            self.side.start_request(rid, table, len(prompt))
+        delay = float(msg.get("layer_delay_s", 0.0))
+
+        def after(name: str) -> None:
+            if layerwise:
+                self.side.save_layer(name)
+            if delay:
+                time.sleep(delay)  # a slower model: gives pushes something to overlap with
+
+        logits = self.model.forward(prompt, 0, table, self.gather, after_layer=after)[-1]
+        params = self.side.request_finished(rid, table, len(prompt))
+        return {"params": params.to_dict(), "logits": logits.numpy().tobytes(), "first": int(logits.argmax())}
+
+    def collect(self) -> None:
+        for c in self.side.get_finished():
+            self.completions[c.request_id] = {
+                "state": c.state, "reason": c.reason,
+                "failed": {str(g): list(ids) for g, ids in c.failed_block_ids.items()},
+                "at": time.monotonic(),
+            }
+
+    def wait(self, request_id: str, timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while True:
+            self.collect()
+            if request_id in self.completions:
+                return self.completions[request_id]
+            if time.monotonic() > end:
+                return {"state": "none"}
+            time.sleep(0.002)
+
+
+def main() -> None:
+    replies = reply_channel()
+    worker = Worker()
+    write_frame(replies, {"ready": True})
+    while (msg := read_frame(sys.stdin.buffer)) is not None:
+        if msg["cmd"] == "exit":
+            break
+        try:
+            reply = worker.handle(msg)
+        except Exception as e:  # the test sees it, with the type, instead of a silent dead child
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        write_frame(replies, reply)
+    if worker.side is not None:
+        worker.side.close()
+
+
+if __name__ == "__main__":
+    main()

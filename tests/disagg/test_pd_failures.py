@@ -1,0 +1,394 @@
+"""Failures on the P/D path: peers that die mid-transfer, leases, mismatched models, bad messages, restarts,
+aborts and a partial transfer. Every path ends the request in exactly one of done / failed / timed_out, within
+a bound, with every block back in its engine's pool.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import zmq
+from framed import FramedProcess
+from kvfill import digest
+from pair import Engine, make, push_params, small_spec
+from rank_pool import spawn
+
+from kvplane.flows.disagg import DisaggError, TransferParamsError, messages
+from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.local import LocalKV
+from kvplane.kv.binding import allocate_cache
+from kvplane.kv.spec import KVSpec
+
+pytestmark = pytest.mark.integration
+ENGINES = ("mooncake", "nixl")
+BIG = KVSpec.gqa(8, 8, 128, tokens_per_block=16)  # 32 KiB a token: 16k tokens = 512 MiB per side
+BIG_TOKENS, BIG_BLOCKS = 16_384, 1100
+FAILURE_BOUND_S = 25.0  # transfer_timeout_s is 10 in these tests: a failure must be reported well within this
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[FramedProcess]:
+    proc = spawn(tmp_path / "worker.log")
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def wait_until(predicate: object, within_s: float, what: str) -> None:
+    end = time.monotonic() + within_s
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} did not happen within {within_s} s")
+        time.sleep(0.001)
+
+
+def big_config(role: str, engine: str, **extra: object) -> dict[str, object]:
+    return {"engine_id": f"{role}-big", "transport": engine, "transfer_timeout_s": 10.0, "lease_s": 30.0,
+            "heartbeat_s": 0.5, "drain_timeout_s": 5.0, **extra}
+
+
+@pytest.mark.parametrize("moment", ["before_read", "during_read"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_pull_survives_prefill_crash_without_leaking_blocks(worker: FramedProcess, engine: str, moment: str) -> None:
+    """A prefill that dies before the READ fails the request; one that dies during it either fails it or, when the
+    READ beat the kill on loopback, completes it. Either way the outcome comes within a bound and no block leaks."""
+    reply = worker.ask(cmd="setup_cache", role="prefill", spec=msgspec.msgpack.encode(BIG), layout="gqa_fused",
+                       num_blocks=BIG_BLOCKS, seed=5, config=big_config("prefill", engine))
+    assert "error" not in reply, reply
+    table = list(range(3, 3 + BIG_TOKENS // 16))
+    params = worker.ask(cmd="hold", request_id="big", table={0: table}, num_tokens=BIG_TOKENS)["params"]
+    decode = make("decode", BIG, num_blocks=BIG_BLOCKS, engine=engine, transfer_timeout_s=10.0,
+                  handshake_timeout_s=5.0)
+    try:
+        ids = decode.allocate(BIG_TOKENS)
+        if moment == "before_read":
+            worker.kill()
+        decode.side.start_pull("big", params, ids)
+        if moment == "during_read":
+            wait_until(lambda: decode.side.transfers_in_flight() > 0, 15, "the READ starting")
+            worker.kill()
+        start = time.monotonic()
+        done = decode.wait("big", FAILURE_BOUND_S)
+        assert time.monotonic() - start < FAILURE_BOUND_S
+        if moment == "before_read" or done.state != "done":
+            assert done.state in ("failed", "timed_out"), done
+            assert done.all_failed_block_ids() == set(ids)  # the engine recomputes or fails exactly these
+        decode.pool.free(ids)
+        assert decode.whole and decode.side.pending_requests() == 0
+        assert decode.side.local.arena.in_use == 0
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("moment", ["before_write", "during_write"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_push_survives_decode_crash_without_leaking_blocks(worker: FramedProcess, engine: str, moment: str) -> None:
+    """A decode that registered and then died before the WRITE fails the push; one that dies during it fails it
+    or, when the WRITE beat the kill on loopback, sees it done. The prefill's blocks come back either way."""
+    prefill = make("prefill", BIG, num_blocks=BIG_BLOCKS, seed=6, engine=engine, transfer_timeout_s=10.0,
+                   lease_s=30.0)
+    try:
+        reply = worker.ask(cmd="setup_cache", role="decode", spec=msgspec.msgpack.encode(BIG), layout="gqa_fused",
+                           num_blocks=BIG_BLOCKS, seed=0, config=big_config("decode", engine, mode="push"))
+        assert "error" not in reply, reply
+        params = push_params(prefill.side.base_port, "big", prefill.side.config.engine_id)
+        table = list(range(2, 2 + BIG_TOKENS // 16))
+        assert worker.ask(cmd="push", request_id="big", params=params.to_dict(), table={0: table},
+                          num_tokens=BIG_TOKENS) == {}
+        ids = prefill.allocate(BIG_TOKENS)
+        time.sleep(0.2)  # the registration reaches the prefill first: its WRITE starts on request_finished
+        if moment == "before_write":
+            worker.kill()
+        prefill.side.request_finished("big", ids, BIG_TOKENS)
+        if moment == "during_write":
+            wait_until(lambda: prefill.side.transfers_in_flight() > 0, 15, "the WRITE starting")
+            worker.kill()
+        start = time.monotonic()
+        done = prefill.wait("big", FAILURE_BOUND_S)
+        assert time.monotonic() - start < FAILURE_BOUND_S
+        if moment == "before_write":
+            assert done.state in ("failed", "timed_out"), done
+        prefill.pool.free(ids)
+        assert prefill.whole and prefill.side.held_requests() == 0
+    finally:
+        prefill.close()
+
+
+def test_a_lease_expires_without_heartbeats_and_frees_the_blocks() -> None:
+    prefill = make("prefill", small_spec(), lease_s=0.4, heartbeat_s=0.1)
+    try:
+        ids = prefill.allocate(40)
+        prefill.side.request_finished("lonely", ids, 40)
+        assert prefill.side.held_requests() == 1
+        done = prefill.wait("lonely", 5.0)
+        assert done.state == "timed_out" and "lease" in done.reason
+        prefill.pool.free(ids)
+        assert prefill.whole and prefill.side.held_requests() == 0
+    finally:
+        prefill.close()
+
+
+def raw_decode_socket(prefill: Engine, context: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{prefill.side.port}")
+    return sock
+
+
+def test_heartbeats_renew_the_lease_until_they_stop() -> None:
+    prefill = make("prefill", small_spec(), lease_s=0.4, heartbeat_s=0.1)
+    context = zmq.Context()
+    sock = raw_decode_socket(prefill, context)
+    try:
+        ids = prefill.allocate(40)
+        prefill.side.request_finished("kept", ids, 40)
+        beat = messages.encode(messages.Heartbeat("raw-decode", 0, ["kept"]))
+        end = time.monotonic() + 1.5  # almost four leases
+        while time.monotonic() < end:
+            sock.send(beat)
+            time.sleep(0.05)
+        assert prefill.collect() == {} and prefill.side.held_requests() == 1
+        assert prefill.wait("kept", 5.0).state == "timed_out"
+        prefill.pool.free(ids)
+        assert prefill.whole
+    finally:
+        sock.close()
+        context.term()
+        prefill.close()
+
+
+@pytest.mark.parametrize(
+    "decode_spec,field",
+    [
+        (KVSpec.gqa(4, 4, 16, tokens_per_block=16, dtype="float32"), "layers"),
+        (KVSpec.gqa(4, 4, 32, tokens_per_block=16, dtype="bfloat16"), "dtype"),
+        (KVSpec.gqa(3, 4, 32, tokens_per_block=16, dtype="float32"), "num_layers"),
+    ],
+    ids=["head_dim", "dtype", "layers"],
+)
+def test_a_mismatched_model_fails_the_handshake_naming_the_field_before_any_byte_moves(
+    decode_spec: KVSpec, field: str
+) -> None:
+    prefill = make("prefill", small_spec(), seed=3)
+    decode = make("decode", decode_spec)
+    try:
+        params = prefill.side.request_finished("r", prefill.allocate(32), 32)
+        before = digest(decode.spec, decode.cache, "gqa_fused", {0: list(range(64))}, 64 * 16)
+        ids = decode.allocate(32)
+        decode.side.start_pull("r", params, ids)
+        done = decode.wait("r", 10.0)
+        assert done.state == "failed" and field in done.reason and "local=" in done.reason, done.reason
+        assert digest(decode.spec, decode.cache, "gqa_fused", {0: list(range(64))}, 64 * 16) == before
+        decode.pool.free(ids)
+        assert decode.whole
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_malformed_oversized_and_unknown_messages_are_dropped_and_the_listener_keeps_serving() -> None:
+    prefill = make("prefill", small_spec(), max_message_bytes=64 * 1024)
+    context = zmq.Context()
+    sock = raw_decode_socket(prefill, context)
+    decode_kv = LocalKV(prefill.side.backend, small_spec(), allocate_cache(small_spec(), "gqa_fused", 8),
+                        DisaggConfig("raw-decode", transport="mooncake"), "decode")
+    try:
+        sock.send(b"\x00garbage\xff")
+        sock.send(b"x" * (128 * 1024))
+        sock.send(msgspec.msgpack.encode({"type": "format_disk", "path": "/"}))
+        sock.send(msgspec.msgpack.encode({"type": "read_done", "request_id": 5}))
+        sock.send_multipart([b"a", b"b", b"c"])
+        sock.send(messages.encode(decode_kv.handshake()))
+        assert sock.poll(10_000), "the listener stopped answering"
+        reply = messages.decode(sock.recv(), 1 << 26)
+        assert isinstance(reply, messages.Handshake) and reply.role == "prefill"
+        wait_until(lambda: prefill.side.counters.rejected >= 5, 5, "five rejections")
+    finally:
+        decode_kv.close()
+        sock.close()
+        context.term()
+        prefill.close()
+
+
+def test_a_restarted_prefill_is_handshaken_again_and_old_parameters_fail_cleanly() -> None:
+    spec = small_spec()
+    first = make("prefill", spec, seed=11)
+    decode = make("decode", spec)
+    port = first.side.port
+    try:
+        old = first.side.request_finished("a", first.allocate(32), 32)
+        ids = decode.allocate(32)
+        decode.side.start_pull("a", old, ids)
+        assert decode.wait("a").state == "done"
+        first.close()
+        second = make("prefill", spec, seed=12, port=port, engine_id=old.remote_engine_id)
+        try:
+            table = second.allocate(48)
+            new = second.side.request_finished("b", table, 48)
+            ids_b = decode.allocate(48)
+            decode.side.start_pull("b", new, ids_b)
+            assert decode.wait("b").state == "done"
+            assert digest(spec, decode.cache, "gqa_fused", {0: ids_b}, 48) == \
+                digest(spec, second.cache, "gqa_fused", {0: table}, 48)
+            stale = msgspec.structs.replace(old, remote_request_id="a2")
+            ids_c = decode.allocate(32)
+            decode.side.start_pull("c", stale, ids_c)
+            done = decode.wait("c")
+            assert done.state == "failed" and "restarted" in done.reason
+        finally:
+            second.close()
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_abort_during_a_pull_holds_the_blocks_until_the_read_has_drained(engine: str) -> None:
+    prefill = make("prefill", BIG, num_blocks=BIG_BLOCKS, seed=9, engine=engine)
+    decode = make("decode", BIG, num_blocks=BIG_BLOCKS, engine=engine)
+    try:
+        params = prefill.side.request_finished("r", prefill.allocate(BIG_TOKENS), BIG_TOKENS)
+        ids = decode.allocate(BIG_TOKENS)
+        decode.side.start_pull("r", params, ids)
+        wait_until(lambda: decode.side.transfers_in_flight() > 0, 15, "the READ starting")
+        decode.side.abort("r")
+        done = decode.wait("r")
+        assert done.state == "failed" and "aborted" in done.reason
+        assert decode.side.transfers_in_flight() == 0  # reported only once nothing can write the blocks
+        assert prefill.wait("r").state == "failed"  # told, so it frees its blocks without waiting for the lease
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_block_ids_outside_the_cache_fail_the_request_and_never_report_a_partial_transfer() -> None:
+    spec = small_spec()
+    prefill = make("prefill", spec, seed=2)
+    decode = make("decode", spec)
+    try:
+        params = prefill.side.request_finished("r", prefill.allocate(48), 48)
+        bad = msgspec.structs.replace(params, remote_block_ids=[[0, 1, 999]])
+        decode.side.start_pull("r", bad, decode.allocate(48))
+        done = decode.wait("r")
+        assert done.state == "failed" and "999" in done.reason
+        assert prefill.wait("r").state == "failed"  # the decode said the read failed: the blocks go back
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_malformed_transfer_params_are_refused_naming_the_field() -> None:
+    decode = make("decode", small_spec())
+    try:
+        with pytest.raises(TransferParamsError, match="remote_port"):
+            decode.side.start_pull("r", {"remote_engine_id": "p", "remote_request_id": "r", "remote_host": "h"}, [1, 2])
+        good = push_params(5555, "r", "p").to_dict()
+        with pytest.raises(TransferParamsError, match="tp_size"):
+            decode.side.register_push("r", {**good, "tp_size": "two"}, [1, 2], 20)
+        with pytest.raises(DisaggError, match="cannot hold num_tokens=40"):
+            decode.side.register_push("r", good, [1, 2], 40)
+        with pytest.raises(DisaggError, match="nothing to pull"):
+            decode.side.start_pull("r", good, [1, 2])
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_layerwise_push_writes_each_layer_as_soon_as_it_is_saved(engine: str) -> None:
+    spec = small_spec(layers=3)
+    prefill = make("prefill", spec, seed=21, engine=engine, mode="layerwise")
+    decode = make("decode", spec, engine=engine, mode="layerwise")
+    try:
+        p_ids, d_ids = prefill.allocate(40), decode.allocate(40)
+        decode.side.register_push("r", push_params(prefill.side.base_port, "r", prefill.side.config.engine_id),
+                                  d_ids, 40)
+        prefill.side.start_request("r", p_ids, 40)
+        time.sleep(0.3)  # the registration lands before the first layer is saved
+
+        def layer_landed(name: str) -> bool:  # compared as bits: the seeded pattern holds NaNs as floats
+            got = decode.cache[name][:, d_ids].reshape(2, -1)[:, : 40 * 128].view(torch.int32)
+            want = prefill.cache[name][:, p_ids].reshape(2, -1)[:, : 40 * 128].view(torch.int32)
+            return bool(torch.equal(got, want))
+
+        prefill.side.save_layer("layers.0")
+        wait_until(lambda: layer_landed("layers.0"), 10, "layer 0 arriving at decode")
+        assert not layer_landed("layers.1")  # not saved yet, so not sent: the prefill is still computing it
+        prefill.side.save_layer("layers.1")
+        wait_until(lambda: layer_landed("layers.1"), 10, "layer 1 arriving at decode")
+        assert decode.collect() == {}  # not done before the request is finished
+        prefill.side.save_layer("layers.2")
+        prefill.side.request_finished("r", p_ids, 40)
+        assert decode.wait("r").state == "done"
+        assert all(layer_landed(n) for n in spec.layer_names)
+        assert prefill.wait("r").state == "done"
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("engine,mode", [("mooncake", "pull"), ("nixl", "pull"), ("mooncake", "push"),
+                                         ("nixl", "layerwise")])
+def test_200_concurrent_requests_of_mixed_lengths_all_finish_without_leaking(engine: str, mode: str) -> None:
+    spec = small_spec(layers=2)
+    rng = np.random.default_rng(200)
+    lengths = rng.integers(1, 160, 200).tolist()
+    blocks = sum(-(-n // 16) for n in lengths) + 8
+    prefill = make("prefill", spec, num_blocks=blocks, seed=31, engine=engine, mode=mode)
+    decode = make("decode", spec, num_blocks=blocks, engine=engine, mode=mode)
+    try:
+        names = [f"req-{i}-{uuid.uuid4().hex[:4]}" for i in range(200)]
+        p_ids = {r: prefill.allocate(n) for r, n in zip(names, lengths)}
+        d_ids = {r: decode.allocate(n) for r, n in zip(names, lengths)}
+        if mode == "pull":
+            params = {r: prefill.side.request_finished(r, p_ids[r], n) for r, n in zip(names, lengths)}
+            for r, n in zip(names, lengths):
+                decode.side.start_pull(r, params[r], d_ids[r])
+        else:
+            for r, n in zip(names, lengths):
+                decode.side.register_push(r, push_params(prefill.side.base_port, r, prefill.side.config.engine_id),
+                                          d_ids[r], n)
+            for r, n in zip(names, lengths):
+                if mode == "layerwise":
+                    prefill.side.start_request(r, p_ids[r], n)
+            if mode == "layerwise":
+                for name in spec.layer_names:
+                    prefill.side.save_layer(name)
+            for r, n in zip(names, lengths):
+                prefill.side.request_finished(r, p_ids[r], n)
+        for r, n in zip(names, lengths):
+            assert decode.wait(r, 60).state == "done", decode.done[r]
+            assert digest(spec, decode.cache, "gqa_fused", {0: d_ids[r]}, n) == \
+                digest(spec, prefill.cache, "gqa_fused", {0: p_ids[r]}, n), r
+            decode.pool.free(d_ids[r])
+        for r in names:
+            assert prefill.wait(r, 30).state == "done"
+            prefill.pool.free(p_ids[r])
+        assert prefill.whole and decode.whole
+        assert prefill.side.held_requests() == 0 and decode.side.pending_requests() == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_starting_a_request_that_is_still_receiving_is_refused() -> None:
+    spec = small_spec()
+    prefill = make("prefill", spec, seed=4)
+    decode = make("decode", spec)
+    try:
+        params = prefill.side.request_finished("r", prefill.allocate(32), 32)
+        ids = decode.allocate(32)
+        decode.side.start_pull("r", params, ids)
+        with pytest.raises(DisaggError, match="already receiving"):
+            decode.side.start_pull("r", params, ids)
+        assert decode.wait("r").state == "done"
+        assert list(decode.done) == ["r"]  # one completion, for the one that ran
+    finally:
+        decode.close()
+        prefill.close()
