@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from minivllm import MiniEngine
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
+
+from minivllm import MiniEngine  # noqa: E402
 
 OFFLOAD = {"offload": {"host_bytes": 4 << 20, "pinned": False}}
 

@@ -1,0 +1,106 @@
+"""Prefill and decode as two processes, each a miniature vLLM with the connector: pull, push, layer-wise
+push, and a hybrid model with two KV-cache groups. The decode's KV must equal what it would have computed."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
+
+from framed import FramedProcess  # noqa: E402
+
+HERE = Path(__file__).parent
+FAST = {"lease_s": 10.0, "heartbeat_s": 0.5, "transfer_timeout_s": 20.0, "handshake_timeout_s": 10.0,
+        "push_timeout_s": 30.0, "drain_timeout_s": 5.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Peer:
+    def __init__(self, name: str, tmp: Path) -> None:
+        self.proc = FramedProcess([str(HERE / "vllm_peer.py")], tmp / f"{name}.log",
+                                  env={"PYTHONPATH": f"{HERE}:{HERE.parent / 'unit'}"})
+
+    def ask(self, timeout: float = 120.0, **message: Any) -> Any:
+        reply = self.proc.ask(timeout, **message)
+        assert "error" not in reply, f"{reply['error']}\n{self.proc.log_tail()}"
+        return reply
+
+    def read(self, timeout: float = 120.0) -> Any:
+        reply = self.proc.read(timeout)
+        assert "error" not in reply, f"{reply['error']}\n{self.proc.log_tail()}"
+        return reply
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Peer, Peer]]:
+    prefill, decode = Peer("prefill", tmp_path), Peer("decode", tmp_path)
+    try:
+        yield prefill, decode
+    finally:
+        prefill.proc.close()
+        decode.proc.close()
+
+
+def setup(pair: tuple[Peer, Peer], mode: str, groups: list[list[int]]) -> int:
+    prefill, decode = pair
+    port = free_port()
+    disagg = {"mode": mode, "port": port, **FAST}
+    prefill.proc.send(cmd="setup", extra={"disagg": disagg}, kv_role="kv_producer",
+                                           groups=groups, engine_id="prefill-0")
+    decode.ask(cmd="setup", extra={"disagg": {"mode": mode, "port": free_port(), **FAST}}, kv_role="kv_consumer",
+               groups=groups, engine_id="decode-0")
+    assert "error" not in prefill.proc.read(120.0)
+    return port
+
+
+PROMPT = [(i * 37 + 11) % 997 for i in range(83)]  # 83 tokens: 5 full blocks of 16 and a partial one
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("groups", [[[2, 16]], [[2, 16], [1, 32]]], ids=["one-group", "hybrid-two-groups"])
+def test_decode_pulls_the_prefill_kv_and_holds_what_it_would_have_computed(
+    pair: tuple[Peer, Peer], groups: list[list[int]]
+) -> None:
+    prefill, decode = pair
+    setup(pair, "pull", groups)
+    done = prefill.ask(cmd="run", request_id="p-1", prompt=PROMPT, params={"do_remote_decode": True})
+    params = done["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["remote_num_tokens"] == len(PROMPT)
+    assert len(params["remote_block_ids"]) == len(groups)
+    decode.proc.send(cmd="run", request_id="d-1", prompt=PROMPT, params=params)
+    prefill.ask(cmd="pump", request_id="p-1")  # the prefill frees once the decode has read
+    received = decode.read()
+    assert received["external_tokens"] == len(PROMPT) and received["computed_from"] == len(PROMPT) - 1
+    assert not received["load_errors"]
+    assert received["digest"] == decode.ask(cmd="reference", tokens=PROMPT, n=len(PROMPT))["digest"]
+    assert received["digest"] == done["digest"]
+    assert prefill.ask(cmd="whole")["whole"] and decode.ask(cmd="whole")["whole"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["push", "layerwise"])
+def test_prefill_pushes_into_blocks_the_decode_registered_first(pair: tuple[Peer, Peer], mode: str) -> None:
+    prefill, decode = pair
+    port = setup(pair, mode, [[2, 16]])
+    proxy_params = {  # what a proxy sends the decode before the prefill has run
+        "do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_request_id": "p-2",
+        "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1, "kvplane_mode": mode,
+    }
+    decode.proc.send(cmd="run", request_id="d-2", prompt=PROMPT, params=proxy_params)
+    done = prefill.ask(cmd="run", request_id="p-2", prompt=PROMPT, params={"do_remote_decode": True})
+    assert done["kv_transfer_params"]["kvplane_mode"] == mode
+    prefill.ask(cmd="pump", request_id="p-2")
+    received = decode.read()
+    assert received["external_tokens"] == len(PROMPT) and not received["load_errors"]
+    assert received["digest"] == done["digest"]
+    assert prefill.ask(cmd="whole")["whole"] and decode.ask(cmd="whole")["whole"]
