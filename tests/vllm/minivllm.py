@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -195,7 +196,9 @@ class MiniEngine:
         return all(len(free) == self.num_blocks - 1 for free in self.free)
 
     def run(self, request_id: str, prompt: list[int], params: dict[str, Any] | None = None, max_tokens: int = 1,
-            within_s: float = 30.0) -> Outcome:
+            within_s: float = 30.0, after_alloc: Callable[[], None] | None = None) -> Outcome:
+        """Schedule, run and finish one request; ``after_alloc`` runs between the scheduler's decision and the
+        worker's step (where an eviction or a dying peer would strike)."""
         extra = {"kv_transfer_params": params} if params is not None else None
         req = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, extra_args=extra), None,
                       block_hasher=self.hasher)
@@ -209,6 +212,8 @@ class MiniEngine:
                                                 ext)
         out.external_tokens = ext
         computed = ext
+        if after_alloc is not None:
+            after_alloc()
         if is_async:  # WAITING_FOR_REMOTE_KVS: vLLM keeps stepping until the worker reports the request
             end = time.monotonic() + within_s
             self._recving = set()
