@@ -96,10 +96,12 @@ def test_prefill_pushes_into_blocks_the_decode_registered_first(pair: tuple[Peer
         "do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_request_id": "p-2",
         "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1, "kvplane_mode": mode,
     }
-    decode.proc.send(cmd="run", request_id="d-2", prompt=PROMPT, params=proxy_params)
-    done = prefill.ask(cmd="run", request_id="p-2", prompt=PROMPT, params={"do_remote_decode": True})
+    decode.proc.send(cmd="run", request_id="d-2-9f8e7d6c", prompt=PROMPT, params=proxy_params)
+    # vLLM makes the proxy's id unique inside the engine: "p-2" arrives as "p-2-<8 hex>"
+    done = prefill.ask(cmd="run", request_id="p-2-0a1b2c3d", prompt=PROMPT, params={"do_remote_decode": True})
     assert done["kv_transfer_params"]["kvplane_mode"] == mode
-    prefill.ask(cmd="pump", request_id="p-2")
+    assert done["kv_transfer_params"]["remote_request_id"] == "p-2"
+    prefill.ask(cmd="pump", request_id="p-2-0a1b2c3d")
     received = decode.read()
     assert received["external_tokens"] == len(PROMPT) and not received["load_errors"]
     assert received["digest"] == done["digest"]

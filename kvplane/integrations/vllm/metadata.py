@@ -35,11 +35,16 @@ class Receive:
 
 @dataclass
 class Send:
-    """Prefill: the request's KV is in ``block_ids`` (``num_tokens`` tokens): hold it for decode, or push it."""
+    """Prefill: the request's KV is in ``block_ids`` (``num_tokens`` tokens): hold it for decode, or push it.
+
+    ``transfer_id`` names the request to the decode side (``remote_request_id``): in push modes the id without
+    vLLM's random ``-xxxxxxxx`` suffix, which is what a proxy could tell the decode before the prefill ran.
+    """
 
     request_id: str
     block_ids: Groups
     num_tokens: int
+    transfer_id: str = ""
 
 
 @dataclass

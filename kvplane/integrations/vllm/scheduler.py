@@ -11,6 +11,7 @@ requests, blocks and scheduler outputs are read by attribute.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, looku
 from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
 
 NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)  # vLLM appends it to every external request id
 
 
 class SchedulerSide:
@@ -58,6 +60,10 @@ class SchedulerSide:
     def _remote_prefill(self, request: Any) -> bool:
         params = request.kv_transfer_params
         return self.config.is_decode and bool(params) and bool(params.get("do_remote_prefill"))
+
+    def transfer_id(self, request_id: str) -> str:
+        """The id the decode side knows this request by: in push modes the proxy's (vLLM's suffix stripped)."""
+        return RANDOM_SUFFIX.sub("", request_id) if self.config.mode != "pull" else request_id
 
     def _blocks_for(self, ids: Groups, num_tokens: int) -> Groups:
         return {g: v[: -(-num_tokens // self.block_sizes[g])] for g, v in ids.items()}
@@ -132,7 +138,7 @@ class SchedulerSide:
                 and rid not in self._layerwise_started and computed >= request.num_prompt_tokens):
             self._layerwise_started.add(rid)
             n = request.num_prompt_tokens
-            self._meta.layerwise.append(Send(rid, self._blocks_for(ids, n), n))
+            self._meta.layerwise.append(Send(rid, self._blocks_for(ids, n), n, self.transfer_id(rid)))
         if self.config.offload is None:
             return
         stored = self._stored.setdefault(rid, {})
@@ -177,9 +183,9 @@ class SchedulerSide:
         ids = self._blocks_for({g: list(v) for g, v in enumerate(block_ids)}, num_tokens)
         if num_tokens < 1 or not any(ids.values()):
             return False, None
-        self._meta.sends.append(Send(rid, ids, num_tokens))
+        self._meta.sends.append(Send(rid, ids, num_tokens, self.transfer_id(rid)))
         self._sending.add(rid)
-        return True, self.transfer_params(rid, ids, num_tokens)
+        return True, self.transfer_params(self.transfer_id(rid), ids, num_tokens)
 
     def transfer_params(self, rid: str, ids: Groups, num_tokens: int) -> dict[str, Any]:
         """What ``PrefillSide.request_finished`` would return, built here where vLLM needs it (see docs/vllm.md)."""

@@ -21,7 +21,7 @@ from kvplane.flows.offload import OffloadEngine
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.device import select_backend
 from kvplane.integrations.vllm.lookup import LookupServer, lookup_address
-from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Receive
+from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Receive, Send
 from kvplane.integrations.vllm.spec import layouts_for, spec_from_vllm
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
@@ -45,6 +45,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._aborted_receives: set[str] = set()
         self._failed_receives: list[Completion] = []
+        self._by_transfer_id: dict[str, str] = {}  # prefill: the id decode knows -> vLLM's request id
         self.counters = {"loads": 0, "stores": 0, "receives": 0, "sends": 0, "failed_receives": 0,
                          "load_error_blocks": 0}
 
@@ -84,10 +85,15 @@ class WorkerSide:
             self._receive(receive)
         if self.prefill is not None:
             for send in meta.layerwise:
-                self.prefill.start_request(send.request_id, send.block_ids, send.num_tokens)
+                self.prefill.start_request(self._transfer_id(send), send.block_ids, send.num_tokens)
             for send in meta.sends:
-                self.prefill.request_finished(send.request_id, send.block_ids, send.num_tokens)
+                self.prefill.request_finished(self._transfer_id(send), send.block_ids, send.num_tokens)
                 self.counters["sends"] += 1
+
+    def _transfer_id(self, send: Send) -> str:
+        tid = send.transfer_id or send.request_id
+        self._by_transfer_id[tid] = send.request_id
+        return tid
 
     def _receive(self, r: Receive) -> None:
         if self.decode is None:
@@ -112,7 +118,8 @@ class WorkerSide:
             with self._lock:
                 self.offload.abort(rid)
         if self.prefill is not None:
-            self.prefill.abort(rid)
+            tid = next((t for t, r in self._by_transfer_id.items() if r == rid), rid)
+            self.prefill.abort(tid)
         if self.decode is not None:
             self._aborted_receives.add(rid)
             self.decode.abort(rid)
@@ -142,7 +149,7 @@ class WorkerSide:
             with self._lock:
                 self.offload.get_finished()  # loads and stores finish within their step (wait_for_*)
         if self.prefill is not None:
-            sending.update(c.request_id for c in self.prefill.get_finished())
+            sending.update(self._by_transfer_id.pop(c.request_id, c.request_id) for c in self.prefill.get_finished())
         completions = list(self._failed_receives)
         self._failed_receives.clear()
         if self.decode is not None:
