@@ -71,3 +71,28 @@ def test_host_blocks_evicted_between_lookup_and_load_are_reported_and_recomputed
         assert out.digest == engine.reference_digest(PROMPT[:70], 70) and engine.whole
     finally:
         engine.shutdown()
+
+
+def test_a_decode_aborted_while_waiting_for_a_push_gets_its_blocks_back_once_kvplane_lets_go(
+    decode: MiniEngine,
+) -> None:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request, RequestStatus
+
+    params = {"do_remote_prefill": True, "remote_engine_id": "slow", "remote_request_id": "p-z",
+              "remote_host": "127.0.0.1", "remote_port": dead_port(), "tp_size": 1, "kvplane_mode": "push"}
+    req = Request("d-3", PROMPT, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None,
+                  block_hasher=decode.hasher)
+    ext, is_async = decode.scheduler.get_num_new_matched_tokens(req, 0)
+    assert ext == len(PROMPT) and is_async
+    ids = decode._allocate(len(PROMPT))
+    decode.scheduler.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in ids[0]],)), ext)
+    decode.idle_step()  # the registration goes out; nothing will ever be pushed
+    req.status = RequestStatus.FINISHED_ABORTED
+    delay, out = decode.scheduler.request_finished(req, ids[0])
+    assert delay and out is None  # vLLM must not reuse blocks a push could still write
+    decode.held["d-3"] = ids
+    decode.pump("d-3")  # reported as a finished "send" once the decode side drained it
+    assert decode.whole

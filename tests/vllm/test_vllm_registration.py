@@ -95,3 +95,9 @@ def test_roles_pick_the_sides_and_ranks_get_their_own_port() -> None:
     assert not offload_only.is_prefill and not offload_only.is_decode
     with pytest.raises(ConnectorConfigError):
         ConnectorConfig.from_extra({"disagg": {"port": 5600}}, role=None, engine_id="x")
+
+
+def test_layer_wise_work_asks_vllm_for_piecewise_cuda_graphs() -> None:
+    assert KVPlaneConnector.requires_piecewise_for_cudagraph({"offload": {"host_bytes": 1 << 30}})
+    assert KVPlaneConnector.requires_piecewise_for_cudagraph({"disagg": {"mode": "layerwise"}})
+    assert not KVPlaneConnector.requires_piecewise_for_cudagraph({"disagg": {"mode": "pull"}})
