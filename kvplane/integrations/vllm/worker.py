@@ -75,12 +75,7 @@ class WorkerSide:
             self._abort(rid)
         if self.offload is not None and (meta.loads or meta.stores):
             with self._lock:
-                if meta.loads:
-                    self.offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads])
-                    self.counters["loads"] += len(meta.loads)
-                for job in meta.stores:
-                    self.offload.start_store(job.request_id, job.hashes, job.block_ids)
-                    self.counters["stores"] += 1
+                self._offload(self.offload, meta)
         for receive in meta.receives:
             self._receive(receive)
         if self.prefill is not None:
@@ -94,6 +89,22 @@ class WorkerSide:
         tid = send.transfer_id or send.request_id
         self._by_transfer_id[tid] = send.request_id
         return tid
+
+    def _offload(self, offload: OffloadEngine, meta: KVPlaneMetadata) -> None:
+        """Loads, then stores; a load kvplane refuses fails its blocks, a refused store is skipped (a later miss)."""
+        if meta.loads:
+            try:
+                offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads])
+                self.counters["loads"] += len(meta.loads)
+            except KvplaneError as e:
+                logger.warning("kvplane: offload loads refused, their blocks will be recomputed: %s", e)
+                self._load_errors.update(b for j in meta.loads for ids in j.block_ids.values() for b in ids)
+        for job in meta.stores:
+            try:
+                offload.start_store(job.request_id, job.hashes, job.block_ids)
+                self.counters["stores"] += 1
+            except KvplaneError as e:
+                logger.warning("kvplane: store of request %s skipped: %s", job.request_id, e)
 
     def _receive(self, r: Receive) -> None:
         if self.decode is None:
@@ -175,11 +186,15 @@ class WorkerSide:
         return errors
 
     def stats(self) -> dict[str, int]:
-        out = dict(self.counters)
-        if self.offload is not None:
-            with self._lock:
-                out["host_blocks_in_use"] = self.offload.host_blocks_in_use()
+        """The counters since the last call (vLLM sums them over workers and intervals)."""
+        out, self.counters = self.counters, dict.fromkeys(self.counters, 0)
         return out
+
+    def host_blocks_in_use(self) -> int:
+        if self.offload is None:
+            return 0
+        with self._lock:
+            return self.offload.host_blocks_in_use()
 
     def shutdown(self) -> None:
         if self.lookup_server is not None:
