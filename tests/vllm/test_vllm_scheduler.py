@@ -1,0 +1,91 @@
+"""The connector under vLLM's real ``Scheduler`` (only the model runner is played, see ``realsched.py``): the
+scheduler creates the connector from the module path and applies its answers with vLLM's own code."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
+
+from realsched import RealEngine, reference_digest, tiny_model_dir  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
+
+PROMPT = [(i * 17 + 3) % 997 for i in range(70)]  # 4 full blocks of 16 and 6 tokens
+QUICK = {"lease_s": 10.0, "heartbeat_s": 0.5, "handshake_timeout_s": 1.0, "transfer_timeout_s": 5.0,
+         "drain_timeout_s": 1.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def engines() -> Iterator[list[RealEngine]]:
+    made: list[RealEngine] = []
+    yield made
+    for e in made:
+        e.shutdown()
+
+
+def test_vllm_schedules_a_repeated_prefix_from_the_host_tier(model_dir: str, engines: list[RealEngine]) -> None:
+    engine = RealEngine(model_dir, {"offload": {"host_bytes": 4 << 20, "pinned": False}})
+    engines.append(engine)
+    engine.add("a", PROMPT)
+    assert engine.finish("a").finish_reason == FinishReason.LENGTH
+    engine.drain()
+    engine.add("b", PROMPT + [5, 6])
+    engine.finish("b")
+    assert engine.first_computed == {"a": 0, "b": 64}  # vLLM skipped what the connector loaded
+    assert engine.digests["b"] == reference_digest(PROMPT + [5, 6], 72)
+    engine.drain()
+
+
+def test_vllm_waits_for_the_pulled_kv_then_computes_only_the_last_prompt_token(
+    model_dir: str, engines: list[RealEngine]
+) -> None:
+    port = free_port()
+    prefill = RealEngine(model_dir, {"disagg": {"mode": "pull", "port": port, **QUICK}}, "kv_producer")
+    decode = RealEngine(model_dir, {"disagg": {"mode": "pull", "port": free_port(), **QUICK}}, "kv_consumer")
+    engines.extend([prefill, decode])
+    prefill.add("p", PROMPT, {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                              "remote_block_ids": None, "remote_host": None, "remote_port": None})  # toy proxy's
+    params = prefill.finish("p").kv_transfer_params
+    assert params["do_remote_prefill"] and params["remote_port"] == port
+    decode.add("d", PROMPT, params)
+    assert decode.finish("d").finish_reason == FinishReason.LENGTH
+    assert decode.first_computed["d"] == len(PROMPT) - 1 and not decode.invalid
+    assert decode.digests["d"] == reference_digest(PROMPT, len(PROMPT)) == prefill.digests["p"]
+    prefill.drain()  # the prefill's blocks come back once the decode has read them
+    decode.drain()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_pull_that_fails_follows_kv_load_failure_policy(
+    model_dir: str, engines: list[RealEngine], policy: str
+) -> None:
+    decode = RealEngine(model_dir, {"disagg": {"mode": "pull", "port": free_port(), **QUICK}}, "kv_consumer",
+                        policy=policy)
+    engines.append(decode)
+    gone = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone",
+            "remote_request_id": "p-x", "remote_host": "127.0.0.1", "remote_port": free_port(), "tp_size": 1,
+            "remote_block_ids": [[1, 2, 3, 4, 5]], "remote_block_size": 16, "remote_num_tokens": len(PROMPT),
+            "remote_boot_id": "0123abcd", "kvplane_mode": "pull"}
+    decode.add("d", PROMPT, gone)
+    out = decode.finish("d")
+    assert decode.invalid
+    if policy == "recompute":
+        assert out.finish_reason == FinishReason.LENGTH
+        assert decode.digests["d"] == reference_digest(PROMPT, len(PROMPT))
+    else:
+        assert out.finish_reason == FinishReason.ERROR
+    decode.drain()
