@@ -62,7 +62,8 @@ def reference_digest(tokens: list[int], num_tokens: int) -> str:
 
 class RealEngine:
     def __init__(self, model_dir: str, extra: dict[str, Any], kv_role: str = "kv_both", *,
-                 policy: str = "recompute", num_blocks: int = 64, engine_id: str | None = None) -> None:
+                 policy: str = "recompute", num_blocks: int = 64, engine_id: str | None = None,
+                 max_batched_tokens: int = 512) -> None:
         transfer = KVTransferConfig(
             kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm", kv_role=kv_role,
             kv_connector_extra_config=extra, kv_load_failure_policy=policy,
@@ -71,7 +72,7 @@ class RealEngine:
         self.config = VllmConfig(
             model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", seed=0,
                                      max_model_len=1024),
-            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched_tokens, max_model_len=1024,
                                              enable_chunked_prefill=True, is_encoder_decoder=False),
             # vLLM's own prefix cache off: a repeated prefix must come from kvplane's host tier
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
@@ -142,7 +143,10 @@ class RealEngine:
         req_ids = [rid for rid, _ in spans]
         output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
+            sampled_token_ids=[  # a chunk that leaves part of the prompt for later samples nothing
+                [7] if start + so.num_scheduled_tokens[rid] >= self.scheduler.requests[rid].num_prompt_tokens else []
+                for rid, start in spans
+            ],
             kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                                   invalid_block_ids=invalid),
         )

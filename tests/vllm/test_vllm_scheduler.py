@@ -89,3 +89,48 @@ def test_a_pull_that_fails_follows_kv_load_failure_policy(
     else:
         assert out.finish_reason == FinishReason.ERROR
     decode.drain()
+
+
+def test_chunked_prefill_stores_each_chunk_and_a_later_request_loads_them_all(
+    model_dir: str, engines: list[RealEngine]
+) -> None:
+    engine = RealEngine(model_dir, {"offload": {"host_bytes": 4 << 20, "pinned": False}}, max_batched_tokens=24)
+    engines.append(engine)
+    engine.add("a", PROMPT)  # 70 tokens in chunks of 24: blocks become full in three different steps
+    engine.finish("a")
+    engine.drain()
+    engine.add("b", PROMPT)
+    engine.finish("b")
+    assert engine.first_computed["b"] == 64
+    assert engine.digests["b"] == reference_digest(PROMPT, len(PROMPT))
+    engine.drain()
+
+
+@pytest.mark.parametrize("mode", ["push", "layerwise"])
+def test_push_keeps_the_prefill_engine_stepping_until_the_decode_has_its_kv(
+    model_dir: str, engines: list[RealEngine], mode: str
+) -> None:
+    port = free_port()
+    prefill = RealEngine(model_dir, {"disagg": {"mode": mode, "port": port, **QUICK}}, "kv_producer")
+    decode = RealEngine(model_dir, {"disagg": {"mode": mode, "port": free_port(), **QUICK}}, "kv_consumer")
+    engines.extend([prefill, decode])
+    decode.add("d-1-9f8e7d6c", PROMPT, {
+        "do_remote_prefill": True, "remote_engine_id": prefill.config.kv_transfer_config.engine_id,
+        "remote_request_id": "req-1", "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
+        "kvplane_mode": mode,
+    })
+    decode.step()  # the registration goes out before the prefill has even seen the request
+    prefill.add("req-1-0a1b2c3d", PROMPT, {"do_remote_decode": True})
+    prefill.finish("req-1-0a1b2c3d")
+    assert prefill.scheduler.connector.has_pending_push_work()
+
+    def prefill_steps_too() -> bool:
+        prefill.step()  # vLLM keeps stepping the prefill engine while has_pending_push_work()
+        return "d-1-9f8e7d6c" in decode.outputs
+
+    decode.run_until(prefill_steps_too)
+    assert decode.first_computed["d-1-9f8e7d6c"] == len(PROMPT) - 1 and not decode.invalid
+    assert decode.digests["d-1-9f8e7d6c"] == reference_digest(PROMPT, len(PROMPT))
+    prefill.drain()
+    assert not prefill.scheduler.connector.has_pending_push_work()
+    decode.drain()
