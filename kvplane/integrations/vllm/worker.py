@@ -46,6 +46,7 @@ class WorkerSide:
         self._aborted_receives: set[str] = set()
         self._failed_receives: list[Completion] = []
         self._by_transfer_id: dict[str, str] = {}  # prefill: the id decode knows -> vLLM's request id
+        self._pushing_layers = False  # this step's forward completes a layer-wise request's prompt
         self.counters = {"loads": 0, "stores": 0, "receives": 0, "sends": 0, "failed_receives": 0,
                          "load_error_blocks": 0}
 
@@ -78,6 +79,7 @@ class WorkerSide:
                 self._offload(self.offload, meta)
         for receive in meta.receives:
             self._receive(receive)
+        self._pushing_layers = bool(meta.layerwise)
         if self.prefill is not None:
             for send in meta.layerwise:
                 self.prefill.start_request(self._transfer_id(send), send.block_ids, send.num_tokens)
@@ -144,7 +146,7 @@ class WorkerSide:
         if self.offload is not None:
             with self._lock:
                 self.offload.save_layer(layer_name)
-        if self.prefill is not None and self.config.mode == "layerwise":
+        if self.prefill is not None and self._pushing_layers:  # other steps have no layer to push
             self.prefill.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
