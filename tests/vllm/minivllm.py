@@ -30,12 +30,13 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 init_none_hash(sha256)
 HEADS, HEAD_DIM = 2, 8
+LORA, ROPE = 16, 64  # MLA: vLLM's head_size = kv_lora_rank + rope dim; kvplane reads rope as head_size - 64
 
 
 @dataclass
@@ -66,8 +67,11 @@ class MiniEngine:
     def __init__(
         self, extra: dict[str, Any], kv_role: str = "kv_both", *, groups: tuple[tuple[int, int], ...] = ((2, 16),),
         num_blocks: int = 48, split_kv: bool = False, policy: str = "recompute", engine_id: str | None = None,
+        mla: bool = False,
     ) -> None:
-        """``groups``: (layers, block size) per KV-cache group; ``split_kv``: Ascend-style (k, v) tuples."""
+        """``groups``: (layers, block size) per KV-cache group; ``split_kv``: Ascend-style tuples, (k, v) or for
+        ``mla`` (nope, rope); otherwise vLLM CUDA's fused tensors, ``(2, nb, bs, h, d)`` or MLA's ``(nb, bs, 576)``."""
+        self.mla = mla
         self.transfer_config = KVTransferConfig(
             kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm", kv_role=kv_role,
             kv_connector_extra_config=extra, kv_load_failure_policy=policy,
@@ -85,14 +89,21 @@ class MiniEngine:
         for g, (layers, bs) in enumerate(groups):
             names = [f"model.layers.{g}.{i}.attn" for i in range(layers)]
             self.layer_group.update(dict.fromkeys(names, g))
-            group_specs.append(KVCacheGroupSpec(names, FullAttentionSpec(block_size=bs, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)))
+            spec = (MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.float32) if mla
+                    else FullAttentionSpec(block_size=bs, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32))
+            group_specs.append(KVCacheGroupSpec(names, spec))
         self.kv_cache_config = KVCacheConfig(num_blocks, [], group_specs)
         self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER,
                                                           self.kv_cache_config)
         self.caches: dict[str, Any] = {}
         for name, g in self.layer_group.items():
-            shape = (num_blocks, self.block_sizes[g], HEADS, HEAD_DIM)
-            self.caches[name] = (torch.zeros(shape), torch.zeros(shape)) if split_kv else torch.zeros((2, *shape))
+            nb, bs = num_blocks, self.block_sizes[g]
+            if mla:
+                self.caches[name] = ((torch.zeros((nb, bs, 1, LORA)), torch.zeros((nb, bs, 1, ROPE))) if split_kv
+                                     else torch.zeros((nb, bs, LORA + ROPE)))
+            else:
+                shape = (nb, bs, HEADS, HEAD_DIM)
+                self.caches[name] = (torch.zeros(shape), torch.zeros(shape)) if split_kv else torch.zeros((2, *shape))
         self.worker.register_kv_caches(self.caches)
         self.scheduler = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.SCHEDULER,
                                                              self.kv_cache_config)
@@ -109,17 +120,31 @@ class MiniEngine:
         return base + torch.arange(HEADS * HEAD_DIM, dtype=torch.float32).reshape(HEADS, HEAD_DIM) / 1000
 
     def _slots(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two views whose row ``[block, offset]`` is one token: k and v, or MLA's nope and rope."""
         cache = self.caches[name]
+        if self.mla and isinstance(cache, torch.Tensor):
+            return (cache[..., :LORA], cache[..., LORA:])
         return (cache[0], cache[1])
+
+    def token_rows(self, token: int, position: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the "model" writes for one token, shaped as ``_slots`` rows."""
+        if not self.mla:
+            value = self.kv_value(token, position, layer)
+            return value, -value
+        base = float((token * 31 + position * 7 + layer * 131) % 251)
+        row = base + torch.arange(LORA + ROPE, dtype=torch.float32) / 1000
+        if isinstance(self.caches[next(iter(self.caches))], tuple):
+            return row[:LORA].reshape(1, LORA), row[LORA:].reshape(1, ROPE)
+        return row[:LORA], row[LORA:]
 
     def _write(self, name: str, ids: list[int], tokens: list[int], start: int, end: int) -> None:
         g, li = self.layer_group[name], list(self.layer_group).index(name)
         k, v = self._slots(name)
         bs = self.block_sizes[g]
         for p in range(start, end):
-            value = self.kv_value(tokens[p], p, li)
-            k[ids[p // bs], p % bs] = value
-            v[ids[p // bs], p % bs] = -value
+            a, b = self.token_rows(tokens[p], p, li)
+            k[ids[p // bs], p % bs] = a
+            v[ids[p // bs], p % bs] = b
 
     def digest(self, block_ids: tuple[list[int], ...], num_tokens: int) -> str:
         """A hash of the KV of tokens ``[0, num_tokens)`` in every layer, read through the block tables."""
@@ -138,9 +163,9 @@ class MiniEngine:
         h = hashlib.sha256()
         for li in range(len(self.layer_group)):
             for p in range(num_tokens):
-                value = self.kv_value(tokens[p], p, li)
-                h.update(value.numpy().tobytes())
-                h.update((-value).numpy().tobytes())
+                a, b = self.token_rows(tokens[p], p, li)
+                h.update(a.numpy().tobytes())
+                h.update(b.numpy().tobytes())
         return h.hexdigest()
 
     # -- one step of the model runner -----------------------------------------------------------------
