@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import torch
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig
@@ -67,11 +68,13 @@ class MiniEngine:
     def __init__(
         self, extra: dict[str, Any], kv_role: str = "kv_both", *, groups: tuple[tuple[int, int], ...] = ((2, 16),),
         num_blocks: int = 48, split_kv: bool = False, policy: str = "recompute", engine_id: str | None = None,
-        mla: bool = False,
+        mla: bool = False, tp_size: int = 1,
     ) -> None:
         """``groups``: (layers, block size) per KV-cache group; ``split_kv``: Ascend-style tuples, (k, v) or for
-        ``mla`` (nope, rope); otherwise vLLM CUDA's fused tensors, ``(2, nb, bs, h, d)`` or MLA's ``(nb, bs, 576)``."""
-        self.mla = mla
+        ``mla`` (nope, rope); otherwise vLLM CUDA's fused tensors, ``(2, nb, bs, h, d)`` or MLA's ``(nb, bs, 576)``.
+        ``tp_size`` > 1: one worker connector per TP rank, each holding ``HEADS / tp_size`` heads (GQA)."""
+        self.mla, self.tp = mla, tp_size
+        heads = HEADS // tp_size
         self.transfer_config = KVTransferConfig(
             kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm", kv_role=kv_role,
             kv_connector_extra_config=extra, kv_load_failure_policy=policy,
@@ -79,7 +82,7 @@ class MiniEngine:
         )
         self.block_sizes = [bs for _, bs in groups]
         self.vllm_config = SimpleNamespace(
-            kv_transfer_config=self.transfer_config, parallel_config=ParallelConfig(),
+            kv_transfer_config=self.transfer_config, parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
             cache_config=CacheConfig(block_size=min(self.block_sizes)),
             scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False), model_config=None,
             instance_id=uuid.uuid4().hex[:5],
@@ -90,21 +93,29 @@ class MiniEngine:
             names = [f"model.layers.{g}.{i}.attn" for i in range(layers)]
             self.layer_group.update(dict.fromkeys(names, g))
             spec = (MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.float32) if mla
-                    else FullAttentionSpec(block_size=bs, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32))
+                    else FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=HEAD_DIM, dtype=torch.float32))
             group_specs.append(KVCacheGroupSpec(names, spec))
         self.kv_cache_config = KVCacheConfig(num_blocks, [], group_specs)
-        self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER,
-                                                          self.kv_cache_config)
-        self.caches: dict[str, Any] = {}
-        for name, g in self.layer_group.items():
-            nb, bs = num_blocks, self.block_sizes[g]
-            if mla:
-                self.caches[name] = ((torch.zeros((nb, bs, 1, LORA)), torch.zeros((nb, bs, 1, ROPE))) if split_kv
-                                     else torch.zeros((nb, bs, LORA + ROPE)))
-            else:
-                shape = (nb, bs, HEADS, HEAD_DIM)
-                self.caches[name] = (torch.zeros(shape), torch.zeros(shape)) if split_kv else torch.zeros((2, *shape))
-        self.worker.register_kv_caches(self.caches)
+        self.workers: list[Any] = []
+        self.rank_caches: list[dict[str, Any]] = []
+        for rank in range(tp_size):  # vLLM's worker processes, each with its TP rank and its share of the heads
+            with mock.patch("kvplane.integrations.vllm.connector._tp_rank", return_value=rank):
+                worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER,
+                                                             self.kv_cache_config)
+            caches: dict[str, Any] = {}
+            for name, g in self.layer_group.items():
+                nb, bs = num_blocks, self.block_sizes[g]
+                if mla:
+                    caches[name] = ((torch.zeros((nb, bs, 1, LORA)), torch.zeros((nb, bs, 1, ROPE))) if split_kv
+                                    else torch.zeros((nb, bs, LORA + ROPE)))
+                else:
+                    shape = (nb, bs, heads, HEAD_DIM)
+                    caches[name] = (torch.zeros(shape), torch.zeros(shape)) if split_kv else torch.zeros((2, *shape))
+            worker.register_kv_caches(caches)
+            self.workers.append(worker)
+            self.rank_caches.append(caches)
+        self.worker, self.caches = self.workers[0], self.rank_caches[0]
+        self._reports: dict[tuple[str, str], int] = {}  # (sending|recving, request) -> ranks that reported it
         self.scheduler = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.SCHEDULER,
                                                              self.kv_cache_config)
         self.free = [list(range(num_blocks - 1, 0, -1)) for _ in groups]  # block 0 is vLLM's null block
@@ -119,9 +130,9 @@ class MiniEngine:
         base = float((token * 31 + position * 7 + layer * 131) % 251)
         return base + torch.arange(HEADS * HEAD_DIM, dtype=torch.float32).reshape(HEADS, HEAD_DIM) / 1000
 
-    def _slots(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slots(self, name: str, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Two views whose row ``[block, offset]`` is one token: k and v, or MLA's nope and rope."""
-        cache = self.caches[name]
+        cache = self.rank_caches[rank][name]
         if self.mla and isinstance(cache, torch.Tensor):
             return (cache[..., :LORA], cache[..., LORA:])
         return (cache[0], cache[1])
@@ -137,25 +148,30 @@ class MiniEngine:
             return row[:LORA].reshape(1, LORA), row[LORA:].reshape(1, ROPE)
         return row[:LORA], row[LORA:]
 
-    def _write(self, name: str, ids: list[int], tokens: list[int], start: int, end: int) -> None:
+    def _write(self, rank: int, name: str, ids: list[int], tokens: list[int], start: int, end: int) -> None:
         g, li = self.layer_group[name], list(self.layer_group).index(name)
-        k, v = self._slots(name)
+        k, v = self._slots(name, rank)
         bs = self.block_sizes[g]
+        share = slice(None) if self.mla else slice(rank * HEADS // self.tp, (rank + 1) * HEADS // self.tp)
         for p in range(start, end):
             a, b = self.token_rows(tokens[p], p, li)
-            k[ids[p // bs], p % bs] = a
-            v[ids[p // bs], p % bs] = b
+            k[ids[p // bs], p % bs] = a[share]
+            v[ids[p // bs], p % bs] = b[share]
+
+    def _row(self, name: str, slot: int, block: int, offset: int) -> torch.Tensor:
+        """One token's row of one slot, its heads gathered over the TP ranks (MLA: replicated, rank 0)."""
+        ranks = range(1 if self.mla else self.tp)
+        return torch.cat([self._slots(name, r)[slot][block, offset] for r in ranks])
 
     def digest(self, block_ids: tuple[list[int], ...], num_tokens: int) -> str:
         """A hash of the KV of tokens ``[0, num_tokens)`` in every layer, read through the block tables."""
         h = hashlib.sha256()
         for name, g in self.layer_group.items():
             bs = self.block_sizes[g]
-            k, v = self._slots(name)
             for p in range(num_tokens):
                 b = block_ids[g][p // bs]
-                h.update(k[b, p % bs].numpy().tobytes())
-                h.update(v[b, p % bs].numpy().tobytes())
+                h.update(self._row(name, 0, b, p % bs).numpy().tobytes())
+                h.update(self._row(name, 1, b, p % bs).numpy().tobytes())
         return h.hexdigest()
 
     def reference_digest(self, tokens: list[int], num_tokens: int) -> str:
@@ -171,20 +187,31 @@ class MiniEngine:
     # -- one step of the model runner -----------------------------------------------------------------
     def step(self, so: SchedulerOutput, writes: list[tuple[tuple[list[int], ...], list[int], int, int]]) -> set[int]:
         meta = self.scheduler.build_connector_meta(so)
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)
-        if writes:
-            for name, g in self.layer_group.items():
-                self.worker.wait_for_layer_load(name)
-                for ids, tokens, start, end in writes:
-                    self._write(name, ids[g], tokens, start, end)
-                self.worker.save_kv_layer(name, self.caches[name], None)
-            self.worker.wait_for_save()
-        sending, recving = self.worker.get_finished(set())
-        errors = self.worker.get_block_ids_with_load_errors()
-        self.worker.clear_connector_metadata()
+        sending: set[str] = set()
+        recving: set[str] = set()
+        errors: set[int] = set()
+        for rank, worker in enumerate(self.workers):  # vLLM runs the ranks in parallel; in turn is enough here
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            if writes:
+                for name, g in self.layer_group.items():
+                    worker.wait_for_layer_load(name)
+                    for ids, tokens, start, end in writes:
+                        self._write(rank, name, ids[g], tokens, start, end)
+                    worker.save_kv_layer(name, self.rank_caches[rank][name], None)
+                worker.wait_for_save()
+            rank_sending, rank_recving = worker.get_finished(set())
+            errors |= worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+            # vLLM's KVOutputAggregator: a request is finished once every rank reported it
+            for kind, ids, out in (("s", rank_sending, sending), ("r", rank_recving, recving)):
+                for rid in ids or ():
+                    n = self._reports[(kind, rid)] = self._reports.get((kind, rid), 0) + 1
+                    if n == self.tp:
+                        del self._reports[(kind, rid)]
+                        out.add(rid)
         self.scheduler.update_connector_output(KVConnectorOutput(
-            finished_sending=sending, finished_recving=recving, invalid_block_ids=errors))
+            finished_sending=sending or None, finished_recving=recving or None, invalid_block_ids=errors))
         for rid in sending or ():
             self.sent.add(rid)
             self._release(self.held.pop(rid, ()))
@@ -212,9 +239,10 @@ class MiniEngine:
         for g, (free, group) in enumerate(zip(self.free, ids)):
             free.extend(group)
             for name, layer_group in self.layer_group.items():
-                if layer_group == g:
-                    for slot in self._slots(name):
-                        slot[group] = 0
+                for rank in range(self.tp):
+                    if layer_group == g:
+                        for slot in self._slots(name, rank):
+                            slot[group] = 0
 
     @property
     def whole(self) -> bool:
@@ -286,5 +314,6 @@ class MiniEngine:
         return out
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         self.scheduler.shutdown()
