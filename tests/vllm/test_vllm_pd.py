@@ -41,14 +41,23 @@ class Peer:
         return reply
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[Peer, Peer]]:
-    prefill, decode = Peer("prefill", tmp_path), Peer("decode", tmp_path)
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Peer, Peer]]:
+    """Two processes for the whole module (each imports vLLM once); every test sets up fresh engines in them."""
+    tmp = tmp_path_factory.mktemp("peers")
+    prefill, decode = Peer("prefill", tmp), Peer("decode", tmp)
     try:
         yield prefill, decode
     finally:
         prefill.proc.close()
         decode.proc.close()
+
+
+@pytest.fixture
+def pair(processes: tuple[Peer, Peer]) -> Iterator[tuple[Peer, Peer]]:
+    yield processes
+    for peer in processes:
+        peer.ask(cmd="teardown")
 
 
 def setup(pair: tuple[Peer, Peer], mode: str, groups: list[list[int]]) -> int:

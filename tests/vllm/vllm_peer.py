@@ -3,7 +3,8 @@
 Driven with framed msgpack commands (``framed.py``), one reply each:
 ``setup`` (extra, kv_role, groups, split_kv, engine_id) -> {}; ``run`` (request_id, prompt, params,
 max_tokens) -> the ``Outcome`` as a dict; ``pump`` (request_id, within) -> {} once the connector gave the
-request's blocks back; ``reference`` (tokens, n) -> {digest}; ``whole`` -> {whole}; ``exit``.
+request's blocks back; ``reference`` (tokens, n) -> {digest}; ``whole`` -> {whole}; ``teardown`` -> {} (the
+engine shuts down, the process stays for the next ``setup``); ``exit``.
 """
 
 from __future__ import annotations
@@ -20,15 +21,22 @@ def main() -> None:
     from minivllm import MiniEngine
 
     engine: MiniEngine | None = None
+    out: Any
     while (msg := read_frame(sys.stdin.buffer)) is not None:
         cmd = msg.pop("cmd")
         try:
             if cmd == "exit":
                 break
-            if cmd == "setup":
+            if cmd == "teardown":
+                if engine is not None:
+                    engine.shutdown()
+                engine, out = None, {}
+            elif cmd == "setup":
+                if engine is not None:
+                    raise RuntimeError("teardown first")
                 groups = tuple(tuple(g) for g in msg.pop("groups"))
                 engine = MiniEngine(msg.pop("extra"), msg.pop("kv_role"), groups=groups, **msg)
-                out: Any = {}
+                out = {}
             elif engine is None:
                 raise RuntimeError("setup first")
             elif cmd == "run":
