@@ -63,7 +63,7 @@ def reference_digest(tokens: list[int], num_tokens: int) -> str:
 class RealEngine:
     def __init__(self, model_dir: str, extra: dict[str, Any], kv_role: str = "kv_both", *,
                  policy: str = "recompute", num_blocks: int = 64, engine_id: str | None = None,
-                 max_batched_tokens: int = 512) -> None:
+                 max_batched_tokens: int = 512, prefix_caching: bool = False) -> None:
         transfer = KVTransferConfig(
             kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm", kv_role=kv_role,
             kv_connector_extra_config=extra, kv_load_failure_policy=policy,
@@ -74,8 +74,8 @@ class RealEngine:
                                      max_model_len=1024),
             scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched_tokens, max_model_len=1024,
                                              enable_chunked_prefill=True, is_encoder_decoder=False),
-            # vLLM's own prefix cache off: a repeated prefix must come from kvplane's host tier
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+            # vLLM's own prefix cache off by default: a repeated prefix must come from kvplane's host tier
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
             kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
         )
         self.config.cache_config.num_gpu_blocks = num_blocks

@@ -134,3 +134,21 @@ def test_push_keeps_the_prefill_engine_stepping_until_the_decode_has_its_kv(
     prefill.drain()
     assert not prefill.scheduler.connector.has_pending_push_work()
     decode.drain()
+
+
+def test_a_decode_with_its_own_prefix_cache_hit_still_ends_with_the_prefills_kv(
+    model_dir: str, engines: list[RealEngine]
+) -> None:
+    port = free_port()
+    prefill = RealEngine(model_dir, {"disagg": {"mode": "pull", "port": port, **QUICK}}, "kv_producer")
+    decode = RealEngine(model_dir, {"disagg": {"mode": "pull", "port": free_port(), **QUICK}}, "kv_consumer",
+                        prefix_caching=True)
+    engines.extend([prefill, decode])
+    for i in range(2):  # the second decode request finds 4 blocks of the prompt in vLLM's own cache
+        prefill.add(f"p{i}", PROMPT, {"do_remote_decode": True})
+        decode.add(f"d{i}", PROMPT, prefill.finish(f"p{i}").kv_transfer_params)
+        decode.finish(f"d{i}")
+        prefill.drain()
+        assert decode.digests[f"d{i}"] == reference_digest(PROMPT, len(PROMPT)) and not decode.invalid
+    assert decode.first_computed == {"d0": len(PROMPT) - 1, "d1": len(PROMPT) - 1}
+    decode.drain()
