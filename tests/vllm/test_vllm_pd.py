@@ -115,3 +115,21 @@ def test_prefill_pushes_into_blocks_the_decode_registered_first(pair: tuple[Peer
     assert received["external_tokens"] == len(PROMPT) and not received["load_errors"]
     assert received["digest"] == done["digest"]
     assert prefill.ask(cmd="whole")["whole"] and decode.ask(cmd="whole")["whole"]
+
+
+def test_a_decode_with_offload_keeps_pulled_kv_in_its_host_tier(pair: tuple[Peer, Peer]) -> None:
+    prefill, decode = pair
+    port = free_port()
+    prefill.proc.send(cmd="setup", extra={"disagg": {"mode": "pull", "port": port, **FAST}}, kv_role="kv_producer",
+                      groups=[[2, 16]], engine_id="prefill-1")
+    decode.ask(cmd="setup", extra={"disagg": {"mode": "pull", "port": free_port(), **FAST},
+                                   "offload": {"host_bytes": 4 << 20, "pinned": False}},
+               kv_role="kv_consumer", groups=[[2, 16]], engine_id="decode-1")
+    assert "error" not in prefill.proc.read(120.0)
+    done = prefill.ask(cmd="run", request_id="p-3", prompt=PROMPT, params={"do_remote_decode": True})
+    decode.proc.send(cmd="run", request_id="d-3", prompt=PROMPT, params=done["kv_transfer_params"])
+    prefill.ask(cmd="pump", request_id="p-3")
+    assert decode.read()["digest"] == done["digest"]
+    local = decode.ask(cmd="run", request_id="d-4", prompt=PROMPT)  # no proxy this time: the host tier has it
+    assert local["external_tokens"] == 80 and local["digest"] == done["digest"]
+    assert prefill.ask(cmd="whole")["whole"] and decode.ask(cmd="whole")["whole"]

@@ -55,6 +55,3 @@ class KVPlaneMetadata(KVConnectorMetadata):
     layerwise: list[Send] = field(default_factory=list)  # before this step's forward: pushed layer by layer
     sends: list[Send] = field(default_factory=list)  # finished: the blocks are the connector's until reported
     aborts: list[str] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return True  # vLLM checks ``is not None``; an empty step is still metadata
