@@ -26,7 +26,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -49,11 +49,13 @@ def tiny_model_dir(root: Path) -> str:
     return str(path)
 
 
-def reference_digest(tokens: list[int], num_tokens: int) -> str:
+def reference_digest(tokens: list[int], num_tokens: int, window: int = 0) -> str:
     """``RealEngine.digest`` of a cache that computed ``tokens`` itself."""
     h = hashlib.sha256()
     for li in range(len(LAYERS)):
         for p in range(num_tokens):
+            if li and window and p < num_tokens - window:
+                continue
             value = MiniEngine.kv_value(tokens[p], p, li)
             h.update(value.numpy().tobytes())
             h.update((-value).numpy().tobytes())
@@ -63,7 +65,9 @@ def reference_digest(tokens: list[int], num_tokens: int) -> str:
 class RealEngine:
     def __init__(self, model_dir: str, extra: dict[str, Any], kv_role: str = "kv_both", *,
                  policy: str = "recompute", num_blocks: int = 64, engine_id: str | None = None,
-                 max_batched_tokens: int = 512, prefix_caching: bool = False) -> None:
+                 max_batched_tokens: int = 512, prefix_caching: bool = False, sliding_window: int = 0) -> None:
+        """``sliding_window`` > 0: a hybrid model, layer 0 full attention, layer 1 a sliding window of that many
+        tokens, in two KV-cache groups (vLLM's hybrid allocator, ``request_finished_all_groups``)."""
         transfer = KVTransferConfig(
             kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm", kv_role=kv_role,
             kv_connector_extra_config=extra, kv_load_failure_policy=policy,
@@ -80,8 +84,15 @@ class RealEngine:
         )
         self.config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)
-        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+        if sliding_window:
+            window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32,
+                                       sliding_window=sliding_window)
+            groups = [KVCacheGroupSpec([LAYERS[0]], spec), KVCacheGroupSpec([LAYERS[1]], window)]
+        else:
+            groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+        self.group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        self.window = sliding_window
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         # vLLM's order: workers (and their KV caches) first, then the engine core's scheduler
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
         self.caches = {name: torch.zeros((2, num_blocks, BLOCK, HEADS, HEAD_DIM)) for name in LAYERS}
@@ -89,7 +100,7 @@ class RealEngine:
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(self.config), block_size=BLOCK)
         self.num_blocks = num_blocks
-        self.tables: dict[str, list[int]] = {}
+        self.tables: dict[str, list[list[int]]] = {}  # per request, per KV-cache group
         self.outputs: dict[str, Any] = {}  # request id -> its final EngineCoreOutput
         self.invalid: set[int] = set()
         self.digests: dict[str, str] = {}
@@ -105,14 +116,15 @@ class RealEngine:
     def step(self) -> None:
         so = self.scheduler.schedule()
         for new in so.scheduled_new_reqs:
-            self.tables[new.req_id] = list(new.block_ids[0])
+            self.tables[new.req_id] = [list(g) for g in new.block_ids]
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                self.tables[rid] = list(blocks[0]) if blocks else []
+                self.tables[rid] = [list(g) for g in blocks] if blocks else []
             elif blocks:
-                self.tables[rid].extend(blocks[0])
+                for table, more in zip(self.tables[rid], blocks):
+                    table.extend(more)
         self.worker.bind_connector_metadata(so.kv_connector_metadata)
         self.worker.start_load_kv(None)
         spans = []
@@ -127,7 +139,7 @@ class RealEngine:
                     tokens = self.scheduler.requests[rid].all_token_ids
                     for p in range(start, start + so.num_scheduled_tokens[rid]):
                         value = MiniEngine.kv_value(tokens[p], p, li)
-                        block = self.tables[rid][p // BLOCK]
+                        block = self.tables[rid][self.group_of[name]][p // BLOCK]
                         self.caches[name][0, block, p % BLOCK] = value
                         self.caches[name][1, block, p % BLOCK] = -value
                 self.worker.save_kv_layer(name, self.caches[name], None)
@@ -160,7 +172,9 @@ class RealEngine:
         h = hashlib.sha256()
         for name in LAYERS:
             for p in range(min(num_tokens, len(tokens))):
-                block = self.tables[rid][p // BLOCK]
+                if self.group_of[name] and p < num_tokens - self.window:
+                    continue  # out of the window: vLLM freed that block, nothing reads it
+                block = self.tables[rid][self.group_of[name]][p // BLOCK]
                 h.update(self.caches[name][0, block, p % BLOCK].numpy().tobytes())
                 h.update(self.caches[name][1, block, p % BLOCK].numpy().tobytes())
         return h.hexdigest()

@@ -152,3 +152,29 @@ def test_a_decode_with_its_own_prefix_cache_hit_still_ends_with_the_prefills_kv(
         assert decode.digests[f"d{i}"] == reference_digest(PROMPT, len(PROMPT)) and not decode.invalid
     assert decode.first_computed == {"d0": len(PROMPT) - 1, "d1": len(PROMPT) - 1}
     decode.drain()
+
+
+def test_a_hybrid_sliding_window_model_reloads_a_prefix_vllm_evicted_and_skips_the_null_block(
+    model_dir: str, engines: list[RealEngine]
+) -> None:
+    # vLLM's own prefix cache on, its pool small: a filler request evicts "a" there, kvplane's host tier keeps it
+    engine = RealEngine(model_dir, {"offload": {"host_bytes": 4 << 20, "pinned": False}}, prefix_caching=True,
+                        sliding_window=32, num_blocks=24)
+    engines.append(engine)
+    assert type(engine.scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+    loads: list[dict[int, list[int]]] = []
+    worker = engine.worker._worker
+    start = worker.start_load_kv
+    worker.start_load_kv = lambda meta: (loads.extend(j.block_ids for j in meta.loads), start(meta))[1]
+    engine.add("a", PROMPT)
+    engine.finish("a")
+    engine.add("filler", [900 + i % 50 for i in range(150)])
+    engine.finish("filler")
+    engine.drain()
+    engine.add("b", PROMPT)
+    engine.finish("b")
+    assert engine.first_computed["b"] == 64 and not engine.invalid
+    (load,) = loads
+    assert len(load[0]) == 4 and len(load[1]) == 2 and 0 not in load[1]  # out-of-window: vLLM's null block
+    assert engine.digests["b"] == reference_digest(PROMPT, len(PROMPT), window=32)
+    engine.drain()

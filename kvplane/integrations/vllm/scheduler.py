@@ -21,6 +21,7 @@ from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, looku
 from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
 
 NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+NULL_BLOCK = 0  # vLLM's placeholder block (BlockPool.null_block): sliding-window groups hold it out of the window
 RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)  # vLLM appends it to every external request id
 
 
@@ -103,7 +104,7 @@ class SchedulerSide:
             start = self._matched.pop(rid, 0)
             end = start + num_external_tokens
             span = {g: (start // bs, end // bs) for g, bs in self.block_sizes.items()}
-            self._meta.loads.append(BlockJob(
+            self._meta.loads.append(_real_blocks(
                 rid,
                 {g: self._hashes(request, g)[a:b] for g, (a, b) in span.items()},
                 {g: ids[g][a:b] for g, (a, b) in span.items()},
@@ -152,7 +153,7 @@ class SchedulerSide:
                 hashes[g], block_ids[g] = group_hashes[first:full], ids[g][first:full]
                 stored[g] = full
         if hashes:
-            self._meta.stores.append(BlockJob(rid, hashes, block_ids))
+            self._meta.stores.append(_real_blocks(rid, hashes, block_ids))
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_sending or ():
@@ -208,3 +209,14 @@ class SchedulerSide:
     def shutdown(self) -> None:
         if self.lookup is not None:
             self.lookup.close()
+
+
+def _real_blocks(request_id: str, hashes: Groups, block_ids: Groups) -> BlockJob:
+    """The job without vLLM's null block: nothing to load into it, and storing it would key garbage by a real
+    prefix hash (a sliding-window group's out-of-window positions)."""
+    keep = {g: [i for i, b in enumerate(ids) if b != NULL_BLOCK] for g, ids in block_ids.items()}
+    return BlockJob(
+        request_id,
+        {g: [hashes[g][i] for i in idx] for g, idx in keep.items()},
+        {g: [block_ids[g][i] for i in idx] for g, idx in keep.items()},
+    )
