@@ -105,6 +105,7 @@ class RealEngine:
         self.invalid: set[int] = set()
         self.digests: dict[str, str] = {}
         self.first_computed: dict[str, int] = {}  # the first token this instance computed, per request
+        self.starts: dict[str, list[int]] = {}  # the first token of every forward a request was in
 
     def add(self, request_id: str, prompt: list[int], params: dict[str, Any] | None = None, max_tokens: int = 1) -> None:
         extra = {"kv_transfer_params": params} if params is not None else None
@@ -146,6 +147,7 @@ class RealEngine:
             self.worker.wait_for_save()
         for rid, start in spans:  # the request's KV as it stands after this forward
             self.first_computed.setdefault(rid, start)
+            self.starts.setdefault(rid, []).append(start)
             n = start + so.num_scheduled_tokens[rid]
             self.digests[rid] = self.digest(rid, n)
         sending, recving = self.worker.get_finished(so.finished_req_ids)

@@ -178,3 +178,19 @@ def test_a_hybrid_sliding_window_model_reloads_a_prefix_vllm_evicted_and_skips_t
     assert len(load[0]) == 4 and len(load[1]) == 2 and 0 not in load[1]  # out-of-window: vLLM's null block
     assert engine.digests["b"] == reference_digest(PROMPT, len(PROMPT), window=32)
     engine.drain()
+
+
+def test_a_preempted_request_resumes_from_the_blocks_it_stored(model_dir: str, engines: list[RealEngine]) -> None:
+    engine = RealEngine(model_dir, {"offload": {"host_bytes": 4 << 20, "pinned": False}}, num_blocks=12)
+    engines.append(engine)
+    prompts = {f"r{i}": [(i * 101 + j * 7) % 997 for j in range(40)] for i in range(3)}
+    for rid, prompt in prompts.items():  # 3 x 69 tokens need 15 blocks; vLLM has 11: one is preempted
+        engine.add(rid, prompt, max_tokens=30)
+    engine.run_until(lambda: len(engine.outputs) == 3, 60.0)
+    resumed = [rid for rid, starts in engine.starts.items() if starts.count(0) == 1 and 32 in starts]
+    assert resumed, engine.starts  # vLLM recomputed nothing the host tier held: it restarted at token 32
+    for rid, prompt in prompts.items():
+        tokens = prompt + [7] * 29
+        assert engine.digests[rid] == reference_digest(tokens, len(tokens))
+    assert not engine.invalid
+    engine.drain()
