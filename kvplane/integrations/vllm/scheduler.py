@@ -47,6 +47,7 @@ class SchedulerSide:
         self._block_ids: dict[str, Groups] = {}
         self._stored: dict[str, dict[int, int]] = {}  # blocks per group already handed to a store
         self._matched: dict[str, int] = {}  # local prefix tokens seen by the last lookup
+        self._int_hashes: dict[tuple[str, int], list[int]] = {}
         self._layerwise_started: set[str] = set()
         self._receiving: set[str] = set()
         self._sending: set[str] = set()
@@ -54,9 +55,13 @@ class SchedulerSide:
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _hashes(self, request: Any, group: int) -> list[int]:
-        """The request's chained block hashes at group ``group``'s block size."""
+        """The request's chained block hashes at group ``group``'s block size (converted once, then extended)."""
         k = self.block_sizes[group] // self.hash_block_size
-        return [block_hash_int(h) for h in list(request.block_hashes)[k - 1 :: k]]
+        known = self._int_hashes.setdefault((request.request_id, group), [])
+        vllm_hashes = request.block_hashes
+        for i in range(len(known) * k + k - 1, len(vllm_hashes), k):
+            known.append(block_hash_int(vllm_hashes[i]))
+        return known
 
     def _remote_prefill(self, request: Any) -> bool:
         params = request.kv_transfer_params
@@ -165,6 +170,8 @@ class SchedulerSide:
         rid = request.request_id
         for table in (self._requests, self._block_ids, self._stored, self._matched):
             table.pop(rid, None)
+        for g in self.block_sizes:
+            self._int_hashes.pop((rid, g), None)
         started = rid in self._layerwise_started
         self._layerwise_started.discard(rid)
         if rid in self._receiving:  # the KV is still arriving: free once nothing can write the blocks
