@@ -65,7 +65,7 @@ def test_vllm_waits_for_the_pulled_kv_then_computes_only_the_last_prompt_token(
     assert decode.finish("d").finish_reason == FinishReason.LENGTH
     assert decode.first_computed["d"] == len(PROMPT) - 1 and not decode.invalid
     assert decode.digests["d"] == reference_digest(PROMPT, len(PROMPT)) == prefill.digests["p"]
-    prefill.drain()  # the prefill's blocks come back once the decode has read them
+    prefill.drain(within_s=5.0)  # the blocks come back once the decode has read them, not when the 10 s lease ends
     decode.drain()
 
 
@@ -148,7 +148,7 @@ def test_a_decode_with_its_own_prefix_cache_hit_still_ends_with_the_prefills_kv(
         prefill.add(f"p{i}", PROMPT, {"do_remote_decode": True})
         decode.add(f"d{i}", PROMPT, prefill.finish(f"p{i}").kv_transfer_params)
         decode.finish(f"d{i}")
-        prefill.drain()
+        prefill.drain(within_s=5.0)
         assert decode.digests[f"d{i}"] == reference_digest(PROMPT, len(PROMPT)) and not decode.invalid
     assert decode.first_computed == {"d0": len(PROMPT) - 1, "d1": len(PROMPT) - 1}
     decode.drain()
