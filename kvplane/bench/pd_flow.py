@@ -155,7 +155,7 @@ def run_flow(backend: Backend, engine: str, model: str, mode: Mode, quick: bool)
     p_man, d_man = sides.prefill.local.manifest, sides.decode.local.manifest
     plan = plan_transfer(p_man, d_man, {0: p_ids}, {0: d_ids}, {0: tokens}).plan
 
-    reps = 2 if quick else 3
+    reps = 2
     ours, raw, pushes = [], [], []
     for _ in range(reps):
         ours.append(_one(sides, mode, p_ids, d_ids, tokens, compute_s))
@@ -178,6 +178,7 @@ def run_flow(backend: Backend, engine: str, model: str, mode: Mode, quick: bool)
             "hidden": round(min(1.0, max(0.0, 1 - seconds / push_s)), 3),
             "hidden_max": round(min(1.0, compute_s / push_s), 3),  # the compute is all there is to hide behind
         })
+        params["note"] = f"hidden {params['hidden']:.2f} (at most {params['hidden_max']:.2f})"
     return make_result(
         scenario=f"pd-flow-{engine}-{model}-{mode}", kind="pd", backend=backend.label, transport=engine,
         nbytes=plan.total_bytes, seconds=seconds, baseline=f"raw {engine} {op}", baseline_seconds=baseline_seconds,
