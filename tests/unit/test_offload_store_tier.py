@@ -175,3 +175,21 @@ def test_a_put_refused_for_room_keeps_the_store_on(caplog: pytest.LogCaptureFixt
     assert "refused 2 put(s)" in caplog.text
     assert h.engine.store is not None and h.engine.store.tier.up
     assert h.engine.store.tier.degradations == 0
+
+
+def test_closing_an_unreachable_client_neither_waits_on_it_nor_destroys_it() -> None:
+    # the real client's destructor retries a dead master for about 5 s, at interpreter exit too: it is parked
+    import gc
+    import weakref
+
+    client = FakeStoreClient(healthy=False)
+    tier = fake_tier(client)
+    assert not tier.up
+    ref = weakref.ref(client)
+    start = time.monotonic()
+    tier.close()
+    assert time.monotonic() - start < BOUND_S
+    assert not client.closed
+    del tier, client
+    gc.collect()
+    assert ref() is not None

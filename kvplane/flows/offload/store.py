@@ -37,7 +37,18 @@ NO_AVAILABLE_HANDLE = -200  # put: no segment has room for the object; the block
 INVALID_PARAMS = -600  # get: the destination is smaller than the object
 OBJECT_NOT_FOUND = -704  # get: a key the store does not hold; a miss, not a failure
 RPC_FAIL = -900  # any call: the master did not answer (killed, restarting, network down)
-_ABANDONED: list[Any] = []  # clients given up on while unreachable: destroying one blocks while it retries
+_PARKED = threading.Event()  # never set: abandoned clients wait on it with the daemon threads that hold them
+
+
+def _hold(client: Any) -> None:
+    _PARKED.wait()
+
+
+def _abandon(client: Any) -> None:
+    """Keep an unreachable client referenced without ever destroying it: its destructor retries the dead master
+    for seconds (seen: about 5 s per client, at interpreter exit too). A daemon thread's frame is not freed at
+    exit, so a process with an abandoned client still ends at once."""
+    threading.Thread(target=_hold, args=(client,), name="kvplane-store-abandoned", daemon=True).start()
 
 
 class _Worker:
@@ -267,4 +278,4 @@ class StoreTier:
             threading.Thread(target=close, name="kvplane-store-close", daemon=True).start()
             if done.wait(timeout_s):
                 return
-        _ABANDONED.append(self._client)
+        _abandon(self._client)
