@@ -38,7 +38,8 @@ class LayerCopier:
         """Enqueue layer ``layer``'s D2H after the compute enqueued so far."""
         after_compute = self.backend.new_event()
         after_compute.record(self.backend.current_stream())
-        self.save_stream.wait_event(after_compute)
+        if not after_compute.query():  # compute already done (always, on the cpu backend): nothing to order after
+            self.save_stream.wait_event(after_compute)
         plan = block_copy_plan(self.device_regions[layer], device_ids, self.host_regions[layer], host_ids)
         self.backend.execute(plan, self.save_stream, direction="d2h")
 
