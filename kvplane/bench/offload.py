@@ -33,7 +33,7 @@ from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenarios import Scenario, register
 from kvplane.bench.timing import alternate, timed
 from kvplane.blocks import block_hashes
-from kvplane.flows.offload import OffloadConfig, OffloadEngine
+from kvplane.flows.offload import OffloadConfig, OffloadEngine, StoreConfig
 from kvplane.kv.binding import allocate_cache, slot_tensors
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
@@ -65,7 +65,9 @@ class OffloadRig:
         self.engine.close()
 
 
-def build_rig(backend: Backend, model: str, tokens: int, host_blocks_factor: int = 1) -> OffloadRig:
+def build_rig(
+    backend: Backend, model: str, tokens: int, host_blocks_factor: int = 1, store: StoreConfig | None = None
+) -> OffloadRig:
     import torch
 
     spec = model_spec(model, BLOCK_TOKENS)
@@ -78,7 +80,7 @@ def build_rig(backend: Backend, model: str, tokens: int, host_blocks_factor: int
     torch.arange(words.numel(), dtype=torch.int64, out=words)
     words.mul_(0x9E3779B1)
     cache = allocate_cache(spec, backend.layouts, total, alloc=lambda n: device[:n], zero=False)
-    engine = OffloadEngine(backend, spec, cache, OffloadConfig(host_bytes=host_blocks_factor * blocks * per_block))
+    engine = OffloadEngine(backend, spec, cache, OffloadConfig(host_blocks_factor * blocks * per_block, store))
     order = np.random.default_rng(tokens).permutation(total).astype(np.int64)
     nbytes = blocks * per_block
     flat_device, flat_host = backend.alloc_device(nbytes), backend.alloc_host(nbytes)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import numpy as np
 
@@ -303,7 +304,8 @@ class OffloadEngine:
         deadline = time.monotonic() + timeout_s
         self.poll()
         while self.store is not None and self.store.in_flight and time.monotonic() < deadline:
-            time.sleep(0.005)
+            # wake when a call completes rather than on a polling tick; the short cap re-checks deadlines
+            wait(self.store.futures(), min(0.05, max(0.0, deadline - time.monotonic())), FIRST_COMPLETED)
             self.poll()
 
     def close(self) -> None:
