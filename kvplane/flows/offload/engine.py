@@ -37,6 +37,7 @@ from kvplane.kv.binding import LayoutChoice, regions_from_tensors
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.regions import Region
 from kvplane.kv.spec import KVSpec
+from kvplane.plan.descriptors import CopyPlan
 
 LoadRequest = tuple[str, PerGroup, PerGroup]  # (request id, block hashes, device block ids)
 
@@ -65,6 +66,7 @@ class OffloadEngine:
         self.copier = LayerCopier(backend, by_layer, self.pool.regions)
         self._layer_group = {layer.name: layer.group_id for layer in spec.layers}
         self._group_ids = [g.group_id for g in spec.groups if g.group_id in self.pool.block_bytes]
+        self._group_layers = {g: [n for n, lg in self._layer_group.items() if lg == g] for g in self._group_ids}
         self._tokens_per_block = {g.group_id: g.tokens_per_block for g in spec.groups}
         self.fingerprint = fingerprint(spec, regions, tp_rank, tp_size)
         self.store: StoreLink | None = None
@@ -131,6 +133,8 @@ class OffloadEngine:
                 groups[g] = GroupBlocks(device_ids[~held][: len(ids)], ids, new[: len(ids)])
         layers = {name for name, g in self._layer_group.items() if g in groups}
         job = StoreJob(request_id, groups, layers)
+        for g, blocks in groups.items():
+            job.plans.update(self.copier.save_plans(self._group_layers[g], blocks.device_ids, blocks.host_ids))
         if layers:
             self._open[request_id] = job
         else:
@@ -139,13 +143,12 @@ class OffloadEngine:
 
     def save_layer(self, layer_name: str) -> None:
         """After layer ``layer_name`` wrote its KV: enqueue its D2H for every open store (returns at once)."""
-        group = self._group_of(layer_name)
+        self._group_of(layer_name)
         jobs = [j for j in self._open.values() if layer_name in j.layers_left]
         if not jobs:
             return
-        device_ids = np.concatenate([j.groups[group].device_ids for j in jobs])
-        host_ids = np.concatenate([j.groups[group].host_ids for j in jobs])
-        self.copier.save(layer_name, device_ids, host_ids)
+        plan = jobs[0].plans[layer_name] if len(jobs) == 1 else CopyPlan.concat([j.plans[layer_name] for j in jobs])
+        self.copier.save(plan)
         done = []
         for j in jobs:
             j.layers_left.discard(layer_name)
@@ -175,12 +178,16 @@ class OffloadEngine:
     def start_loads(self, requests: Iterable[LoadRequest]) -> dict[str, int]:
         """``start_load`` for several requests at once: one copy per layer covers all of them."""
         jobs = [self._prepare_load(rid, hashes, ids) for rid, hashes, ids in requests]
-        for name, g in self._layer_group.items():
+        plans: dict[str, CopyPlan] = {}
+        for g, layers in self._group_layers.items():
             parts = [j.groups[g] for j in jobs if g in j.groups]
             if parts:
                 host_ids = np.concatenate([p.host_ids for p in parts])
                 device_ids = np.concatenate([p.device_ids for p in parts])
-                self._layer_events[name] = self.copier.load(name, host_ids, device_ids)
+                plans.update(self.copier.load_plans(layers, host_ids, device_ids))
+        for name in self._layer_group:  # model order: layer i's copy is queued before layer i+1's
+            if name in plans:
+                self._layer_events[name] = self.copier.load(plans[name])
         final = self.copier.mark(self.copier.load_stream)
         out = {}
         for j in jobs:
