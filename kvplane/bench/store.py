@@ -217,7 +217,7 @@ def run_store(backend: Backend, model: str, op: str, tokens: int, quick: bool) -
         scenario=_name(model, op, tokens if not quick else TOKENS),
         kind="store",
         backend=backend.label,
-        transport="mooncake-store (tcp, loopback master)",
+        transport="mooncake-store",
         nbytes=s.nbytes,
         seconds=seconds,
         baseline=f"raw batch_{'put_from' if op == 'put' else 'get_into'}",
