@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from framed import FramedProcess
 from offload_fakes import Harness, small_spec
 
@@ -143,3 +144,48 @@ def test_start_master_names_a_missing_binary_and_a_port_in_use() -> None:
         port = holder.getsockname()[1]
         with pytest.raises(MasterError, match=f"cannot listen on 127.0.0.1:{port}: the port is already in use"):
             start_master(port=port)
+
+
+def test_the_installed_client_has_the_call_signatures_the_store_tier_uses() -> None:
+    # StoreTier passes setup's arguments by position and reads these return conventions; a wheel that
+    # reorders them must fail here, not misconfigure a store at run time
+    from mooncake.store import MooncakeDistributedStore
+
+    def params(method: str) -> list[str]:
+        doc = getattr(MooncakeDistributedStore, method).__doc__ or ""
+        sig = next(line for line in doc.splitlines() if f"{method}(self" in line)
+        inner = sig[sig.index("(") + 1 : sig.rindex(")")]
+        return [p.split(":")[0].strip() for p in inner.split(", ")[1:]]
+
+    assert params("setup")[:7] == [
+        "local_hostname", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",
+        "rdma_devices", "master_server_addr",
+    ]
+    assert params("batch_put_from")[:3] == ["keys", "buffer_ptrs", "sizes"]
+    assert params("batch_get_into") == ["keys", "buffer_ptrs", "sizes"]
+    assert params("batch_is_exist") == ["keys"]
+    assert params("register_buffer") == ["buffer_ptr", "size"]
+    assert "Returns 0 if healthy" in (MooncakeDistributedStore.health_check.__doc__ or "")
+
+
+def test_the_real_client_answers_with_the_codes_the_store_tier_reads(master: MooncakeMaster) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    from kvplane.backend import get_backend
+    from kvplane.flows.offload.store import INVALID_PARAMS, OBJECT_NOT_FOUND
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 16 * MiB, "tcp", "", master.address) == 0
+    buf = get_backend("cpu").alloc_host(1 * MiB)
+    buf.copy_(torch.arange(buf.numel(), dtype=torch.int64).to(torch.uint8))
+    base = int(buf.data_ptr())
+    assert client.register_buffer(base, buf.numel()) == 0
+    keys = ["codes/a", "codes/b"]
+    assert list(client.batch_put_from(keys, [base, base + 4096], [4096, 4096])) == [0, 0]
+    assert list(client.batch_is_exist([*keys, "codes/missing"])) == [1, 1, 0]
+    got = client.batch_get_into([*keys, "codes/missing"], [base + 65536, base + 69632, base + 73728], [4096] * 3)
+    assert list(got) == [4096, 4096, OBJECT_NOT_FOUND]  # bytes read per key; a miss is -704
+    assert bytes(buf[65536:73728].numpy()) == bytes(buf[0:8192].numpy())
+    assert list(client.batch_get_into(["codes/a"], [base], [1024])) == [INVALID_PARAMS]  # too small a buffer
+    assert client.health_check() == 0
+    client.close()
