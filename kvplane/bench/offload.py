@@ -173,11 +173,15 @@ def _rig(backend: Backend, model: str, tokens: int) -> OffloadRig:
     key = (backend.label, model, tokens)
     if _held and _held[0][0] == key:
         return _held[0][1]
-    while _held:
-        _held.pop()[1].close()
+    _release()
     rig = build_rig(backend, model, tokens)
     _held.append((key, rig))
     return rig
+
+
+def _release() -> None:
+    while _held:
+        _held.pop()[1].close()
 
 
 def run_offload(backend: Backend, model: str, direction: str, quick: bool) -> BenchResult:
@@ -215,6 +219,7 @@ def run_offload(backend: Backend, model: str, direction: str, quick: bool) -> Be
     seconds, baseline_seconds = alternate(ours, raw, reps)
     if direction == "load":
         params.update(overlap(rig, hashes, seconds, reps, new_id))
+        _release()  # load runs after store for each model: the buffers go before the next scenario
     return make_result(
         scenario=f"offload-{model}-{direction}",
         kind="offload",

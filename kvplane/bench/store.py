@@ -74,12 +74,12 @@ class StoreRig:
         if engine.store is None or not engine.store.tier.up:
             raise RuntimeError(f"bench: the store tier at {master_address} is not up")
         self.link: StoreLink = engine.store
-        self.client: Any = self.link.tier._client  # the same MooncakeDistributedStore the tier drives
+        self.client: Any = self.link.tier.client  # the same MooncakeDistributedStore the tier drives
         self.source = next(self.rig.prefixes)
         store_once(self.rig, "bench-source", self.source)
         engine.wait_idle()
         self.source_ids = engine.index.pin(GROUP, self.source)  # never evicted while the bench runs
-        self.addrs, self.sizes = self.link._addrs(GROUP, self.source_ids)
+        self.addrs, self.sizes = self.link.addrs(GROUP, self.source_ids)
         self.fresh = _Prefixes(len(self.source))
         self.nbytes = int(sum(self.sizes))
 
@@ -118,7 +118,7 @@ def _put_back_equal(s: StoreRig, keys: list[str]) -> bool:
     engine = s.rig.engine
     scratch = engine.index.allocate(GROUP, len(keys))
     try:
-        addrs, sizes = s.link._addrs(GROUP, scratch)
+        addrs, sizes = s.link.addrs(GROUP, scratch)
         got = s.client.batch_get_into(keys, addrs, sizes)
         if list(got) != sizes:
             return False
@@ -178,7 +178,7 @@ def run_get(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]
         ids = fetched[0]
         verified = verified and len(ids) == len(hashes)
         engine.index.release(GROUP, ids)
-        addrs, sizes = s.link._addrs(GROUP, ids)  # the same host blocks, for the raw get
+        addrs, sizes = s.link.addrs(GROUP, ids)  # the same host blocks, for the raw get
         codes: list[int] = []
         r = _timed(lambda: codes.extend(s.client.batch_get_into(keys, addrs, sizes)))  # noqa: B023
         verified = verified and list(codes) == sizes

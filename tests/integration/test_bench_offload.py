@@ -23,8 +23,7 @@ SCENARIOS = sorted(n for n, s in load_all().items() if n.startswith(NEW_KINDS) a
 @pytest.fixture(scope="module", autouse=True)
 def _release_rigs() -> Iterator[None]:
     yield None
-    while offload_bench._held:  # the offload scenarios keep the last model's buffers for the next one
-        offload_bench._held.pop()[1].close()
+    offload_bench._release()  # a store scenario keeps its model's buffers for the load scenario
 
 
 def test_every_model_has_an_offload_and_a_store_scenario_in_the_default_set() -> None:

@@ -130,6 +130,11 @@ class StoreTier:
             if rc != 0:
                 self._degrade(f"setup with master {c.master_address} returned {rc}")
 
+    @property
+    def client(self) -> Any:
+        """The ``MooncakeDistributedStore`` this tier drives (the bench calls it directly as its baseline)."""
+        return self._client
+
     # -- health -------------------------------------------------------------------------------------------
     @property
     def up(self) -> bool:
