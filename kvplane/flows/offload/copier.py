@@ -1,7 +1,8 @@
 """Per-layer copies between the device cache and the host pool, on two copy streams.
 
 A save of layer L records an event on the compute stream (``backend.current_stream()``) and makes the save
-stream wait for it, so the D2H reads the KV the layer's attention just wrote, without stalling the caller. A
+stream wait for it, so the D2H reads the KV the layer's attention just wrote, without stalling the caller
+(the engine may hand several layers' plans over at once, after the latest layer's event). A
 load enqueues each layer's H2D on the load stream and records one event after it; ``wait_for_layer`` waits for
 that event only, while later layers keep copying. Plans for every layer of a request come from one
 ``LayerPlanner`` call over the device regions and their host twins: array operations, no Python loop per block
@@ -50,12 +51,14 @@ class LayerCopier:
             host_ids, device_ids
         )
 
-    def save(self, plan: CopyPlan) -> None:
-        """Enqueue one layer's D2H plan after the compute enqueued so far."""
-        after_compute = self.backend.new_event()
-        after_compute.record(self.backend.current_stream())
-        if not after_compute.query():  # compute already done (always, on the cpu backend): nothing to order after
-            self.save_stream.wait_event(after_compute)
+    def after_compute(self) -> Event:
+        """An event after the compute enqueued so far (a layer's KV is written once it completes)."""
+        return self.mark(self.backend.current_stream())
+
+    def save(self, plan: CopyPlan, after: Event | None) -> None:
+        """Enqueue a D2H plan once ``after`` (from ``after_compute``) has completed."""
+        if after is not None and not after.query():  # compute already done (always, on the cpu backend)
+            self.save_stream.wait_event(after)
         self.backend.execute(plan, self.save_stream, direction="d2h")
 
     def load(self, plan: CopyPlan) -> Event:

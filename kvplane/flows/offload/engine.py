@@ -78,6 +78,8 @@ class OffloadEngine:
         self._saving: dict[str, StoreJob] = {}  # every copy enqueued (or aborted): waiting for the event
         self._loading: dict[str, LoadJob] = {}
         self._layer_events: dict[str, Event] = {}
+        self._pending_saves: list[CopyPlan] = []  # layers saved while the save stream was busy, not yet enqueued
+        self._pending_after: Event | None = None  # recorded after the latest of those layers' compute
         self._stored: set[str] = set()
         self._loaded: set[str] = set()
         self._load_errors: set[int] = set()
@@ -123,7 +125,7 @@ class OffloadEngine:
         before_evict = self.store.before_evict if self.store is not None else None
         groups: dict[int, GroupBlocks] = {}
         for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
-            held = np.fromiter((self.index.block_of(g, h) is not None for h in hashes), np.bool_, len(hashes))
+            held = self.index.blocks_of(g, hashes) >= 0
             if held.any():
                 cached = [h for h, c in zip(hashes, held) if c]
                 self.index.release(g, self.index.pin(g, cached))  # touch: most recently used
@@ -148,17 +150,33 @@ class OffloadEngine:
         if not jobs:
             return
         plan = jobs[0].plans[layer_name] if len(jobs) == 1 else CopyPlan.concat([j.plans[layer_name] for j in jobs])
-        self.copier.save(plan)
+        self._pending_saves.append(plan)
+        self._pending_after = self.copier.after_compute()
         done = []
         for j in jobs:
             j.layers_left.discard(layer_name)
             if not j.layers_left:
                 done.append(j)
+        if done or self.copier.save_stream.query():
+            self._flush_saves()
         if done:
             event = self.copier.mark(self.copier.save_stream)
             for j in done:
                 j.event = event
                 self._saving[j.request_id] = self._open.pop(j.request_id)
+
+    def _flush_saves(self) -> None:
+        """Enqueue the D2H of every layer saved since the last flush as one copy, after the latest compute.
+
+        While the save stream is still copying earlier layers, later layers wait here and then go as one plan:
+        they could not have started sooner, and one call per batch instead of per layer matters where a copy
+        call is costly (the cpu backend's worker, a busy host). Layers of one plan never overlap in memory.
+        """
+        if not self._pending_saves:
+            return
+        plans, self._pending_saves = self._pending_saves, []
+        after, self._pending_after = self._pending_after, None
+        self.copier.save(plans[0] if len(plans) == 1 else CopyPlan.concat(plans), after)
 
     def wait_for_save(self) -> None:
         """Enqueue the layers no ``save_layer`` covered, then block until every store's copies are done."""
@@ -297,6 +315,7 @@ class OffloadEngine:
         if request_id in self._open:
             job = self._open.pop(request_id)
             job.aborted = True
+            self._flush_saves()  # its blocks are released only after every copy into them
             job.event = self.copier.mark(self.copier.save_stream)
             self._saving[request_id] = job
         elif request_id in self._saving:
