@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import itertools
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 from kvplane.backend.base import Backend
@@ -32,6 +30,7 @@ from kvplane.bench.models import MODELS, model_spec
 from kvplane.bench.offload import BLOCK_TOKENS, OffloadRig, build_rig, load_once, store_once
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenarios import Scenario, register
+from kvplane.bench.timing import timed
 from kvplane.flows.offload import StoreConfig, start_master
 from kvplane.flows.offload.spill import StoreLink
 
@@ -50,12 +49,6 @@ class _Prefixes:
     def __call__(self) -> list[int]:
         base = next(self._next) << 32
         return list(range(base, base + self._blocks))
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 class StoreRig:
@@ -102,14 +95,14 @@ def _tier_put(s: StoreRig) -> tuple[float, list[str]]:
         s.link.write(GROUP, ids, hashes)
         s.rig.engine.wait_idle()
 
-    seconds = _timed(put)
+    seconds = timed(put)
     return seconds, s.link.keys(GROUP, hashes)
 
 
 def _raw_put(s: StoreRig) -> tuple[float, list[str], list[int]]:
     keys = s.raw_keys()
     codes: list[int] = []
-    seconds = _timed(lambda: codes.extend(s.client.batch_put_from(keys, s.addrs, s.sizes)))
+    seconds = timed(lambda: codes.extend(s.client.batch_put_from(keys, s.addrs, s.sizes)))
     return seconds, keys, codes
 
 
@@ -148,7 +141,7 @@ def run_put(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]
             store_once(s.rig, f"bench-put-{rep}", hashes)  # noqa: B023
             s.rig.engine.wait_idle()
 
-        e = _timed(whole_store)
+        e = timed(whole_store)
         s.remove(s.link.keys(GROUP, hashes))
         if rep:
             ours.append(t)
@@ -174,16 +167,16 @@ def run_get(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]
                 raise RuntimeError("bench: the store does not hold the prefix just put")
             fetched.append(s.link.fetch(GROUP, hashes))
 
-        t = _timed(fetch)
+        t = timed(fetch)
         ids = fetched[0]
         verified = verified and len(ids) == len(hashes)
         engine.index.release(GROUP, ids)
         addrs, sizes = s.link.addrs(GROUP, ids)  # the same host blocks, for the raw get
         codes: list[int] = []
-        r = _timed(lambda: codes.extend(s.client.batch_get_into(keys, addrs, sizes)))  # noqa: B023
+        r = timed(lambda: codes.extend(s.client.batch_get_into(keys, addrs, sizes)))  # noqa: B023
         verified = verified and list(codes) == sizes
         tokens: list[int] = []
-        e = _timed(lambda: tokens.append(load_once(s.rig, f"bench-get-{rep}", load_hashes)))  # noqa: B023
+        e = timed(lambda: tokens.append(load_once(s.rig, f"bench-get-{rep}", load_hashes)))  # noqa: B023
         verified = verified and tokens[0] == len(load_hashes) * BLOCK_TOKENS
         if rep == 0:
             rig = s.rig
