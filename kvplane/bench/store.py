@@ -193,7 +193,8 @@ def run_get(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]
 
 def _e2e(s: StoreRig, seconds: list[float]) -> dict[str, Any]:
     med = statistics.median(seconds)
-    return {"engine_s": round(med, 4), "engine_gbps": round(s.nbytes / med / 1e9, 3) if med > 0 else 0.0}
+    gbps = round(s.nbytes / med / 1e9, 3) if med > 0 else 0.0
+    return {"engine_s": round(med, 4), "engine_gbps": gbps, "note": f"engine {gbps:.1f} GB/s (device incl.)"}
 
 
 def run_store(backend: Backend, model: str, op: str, tokens: int, quick: bool) -> BenchResult:
