@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from kvplane.backend.base import Event
 from kvplane.flows.offload.errors import OffloadError
+from kvplane.plan.descriptors import CopyPlan
 
 Ids = npt.NDArray[np.int64]
 PerGroup = Sequence[int] | npt.NDArray[np.int64] | Mapping[int, Sequence[int] | npt.NDArray[np.int64]]
@@ -35,6 +36,7 @@ class StoreJob:
     request_id: str
     groups: dict[int, GroupBlocks]
     layers_left: set[str]
+    plans: dict[str, CopyPlan] = field(default_factory=dict)  # each layer's D2H, built at start_store
     event: Event | None = None  # after the last enqueued copy, once no layer is left or on abort
     aborted: bool = False
 
