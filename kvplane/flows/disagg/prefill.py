@@ -33,6 +33,7 @@ from kvplane.blocks.groups import Ids, PerGroup
 from kvplane.errors import KvplaneError, ManifestMismatch
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.errors import DisaggConfigError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
@@ -102,6 +103,11 @@ class PrefillSide:
         *,
         layouts: LayoutChoice | None = None,
     ) -> None:
+        if config.tp_size > 1 and not config.port:
+            raise DisaggConfigError(
+                f"DisaggConfig.port=0 with tp_size={config.tp_size}: decode finds prefill rank r at port + r, so a "
+                f"TP prefill needs a fixed base port (e.g. port=5600: rank 0 on 5600, rank 1 on 5601)"
+            )
         self.backend, self.spec, self.config = backend, spec, config
         self.local = LocalKV(backend, spec, kv_caches, config, "prefill", layouts)
         self.counters = channel.Counters()
