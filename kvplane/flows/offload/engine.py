@@ -24,12 +24,13 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import numpy as np
 
 from kvplane.backend.base import Backend, Event
+from kvplane.blocks.groups import Ids, PerGroup, per_group
 from kvplane.flows.offload.config import OffloadConfig
 from kvplane.flows.offload.copier import LayerCopier
 from kvplane.flows.offload.errors import OffloadError
 from kvplane.flows.offload.host_pool import HostPool
 from kvplane.flows.offload.index import HostIndex
-from kvplane.flows.offload.jobs import GroupBlocks, Ids, LoadJob, PerGroup, StoreJob, paired, per_group
+from kvplane.flows.offload.jobs import GroupBlocks, LoadJob, StoreJob, paired
 from kvplane.flows.offload.keys import fingerprint
 from kvplane.flows.offload.spill import StoreLink
 from kvplane.flows.offload.store import StoreTier
@@ -88,7 +89,7 @@ class OffloadEngine:
     def lookup(self, block_hashes: PerGroup) -> int:
         """Leading tokens available in the host tier, then the store: the fewest over the model's groups."""
         tokens: int | None = None
-        for g, hashes in per_group("block_hashes", block_hashes, self._group_ids).items():
+        for g, hashes in per_group("block_hashes", block_hashes, self._group_ids, OffloadError).items():
             runs = self._runs(g, hashes.tolist())
             t = sum(count for _, count in runs) * self._tokens_per_block[g]
             tokens = t if tokens is None else min(tokens, t)
