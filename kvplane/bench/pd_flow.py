@@ -122,7 +122,7 @@ def _one(sides: _Sides, mode: Mode, p_ids: np.ndarray, d_ids: np.ndarray, tokens
         decode.start_pull(rid, params, {0: d_ids}, tokens)
     else:
         decode.register_push(rid, _push_params(sides, rid), {0: d_ids}, tokens)
-        time.sleep(0.05)  # decode registers while the prefill computes: let the registration land first
+        time.sleep(0.2)  # decode registers while the prefill computes: let the registration land first
         if mode == "layerwise":
             prefill.start_request(rid, {0: p_ids}, tokens)
             per_layer = compute_s / len(sides.p_kv.spec.layers)
