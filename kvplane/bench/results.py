@@ -23,7 +23,7 @@ class BenchResult(msgspec.Struct):
     baseline_gbps: float
     ratio: float  # kvplane over baseline
     verified: bool  # destination bytes were compared with the source
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = {}  # what the scenario measured beyond the ratio; "note" is printed in the table
 
 
 def make_result(

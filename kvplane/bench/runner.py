@@ -60,7 +60,7 @@ def run(
 def table(results: list[BenchResult], label: str) -> Table:
     t = Table(title=f"kvplane bench - backend {label}")
     t.add_column("scenario", no_wrap=True, min_width=28)
-    for col in ("kind", "transport", "MB", "GB/s", "baseline", "baseline GB/s", "ratio", "verified"):
+    for col in ("kind", "transport", "MB", "GB/s", "baseline", "baseline GB/s", "ratio", "verified", "note"):
         t.add_column(col, justify="right" if col in ("MB", "GB/s", "baseline GB/s", "ratio") else "left")
     for r in results:
         t.add_row(
@@ -73,5 +73,6 @@ def table(results: list[BenchResult], label: str) -> Table:
             f"{r.baseline_gbps:.2f}",
             f"{r.ratio:.2f}",
             "yes" if r.verified else "[red]NO[/red]",
+            str(r.params.get("note", "")),
         )
     return t

@@ -31,7 +31,7 @@ def register(scenario: Scenario) -> None:
 
 def load_all() -> dict[str, Scenario]:
     """Import every scenario module (each registers on import) and return the registry."""
-    from kvplane.bench import local_copy, pd, plan_build  # noqa: F401
+    from kvplane.bench import local_copy, offload, pd, pd_flow, plan_build, store  # noqa: F401
 
     return SCENARIOS
 

@@ -9,6 +9,7 @@ NIXL on 127.0.0.1, pulled, pushed or pushed layer by layer, across heterogeneous
 from __future__ import annotations
 
 import itertools
+import socket
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -63,21 +64,41 @@ def logits_of(raw: bytes, rows: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).reshape(rows, -1)
 
 
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """A base port with ``count`` consecutive free ports: a TP-n prefill listens on base .. base + n - 1."""
+    for _ in range(50):
+        socks: list[socket.socket] = []
+        try:
+            first = socket.socket()
+            socks.append(first)
+            first.bind((host, 0))
+            base = first.getsockname()[1]
+            for offset in range(1, count):
+                extra = socket.socket()
+                socks.append(extra)
+                extra.bind((host, base + offset))
+            return int(base)
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {count} free ports on {host}")
+
+
 def setup(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, **bounds: Any) -> tuple[list[Any], list[Any], int]:
     boot = {"prefill": uuid.uuid4().hex, "decode": uuid.uuid4().hex}
-    base_port = 0
+    base_port = free_port_run(prefill.tp) if prefill.tp > 1 else 0  # 0: rank 0 takes any port
     p_workers, d_workers = pool.prefill[: prefill.tp], pool.decode[: decode.tp]
     for role, side, workers in (("prefill", prefill, p_workers), ("decode", decode, d_workers)):
         for rank, w in enumerate(workers):
             config = {"engine_id": f"{role}-e2e", "boot_id": boot[role], "rank": rank, "tp_size": side.tp,
-                      "transport": engine, "mode": mode, "port": base_port if role == "prefill" and rank else 0,
-                      **bounds}
+                      "transport": engine, "mode": mode, "port": base_port if role == "prefill" else 0, **bounds}
             reply = w.ask(cmd="setup", role=role, shape=asdict(side.shape(rank)), layout=side.layout,
                           config=config, num_blocks=NUM_BLOCKS)
             assert "error" not in reply, reply
             if role == "prefill" and rank == 0:
                 base_port = reply["base_port"]
-                # rank 1 of a TP-2 prefill listens on base + 1: the next port must be free for it
     return p_workers, d_workers, base_port
 
 

@@ -71,6 +71,7 @@ class FakeStoreClient:
     calls: list[str] = field(default_factory=list)
     registered: list[tuple[int, int]] = field(default_factory=list)
     closed: bool = False
+    fail_with: int | None = None  # every key of every data call returns this code (e.g. -900, a dead master)
 
     def _maybe_hang(self) -> None:
         if self.hang is not None and self.calls[-1] in self.hang_on:
@@ -91,11 +92,15 @@ class FakeStoreClient:
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         self.calls.append("exist")
         self._maybe_hang()
+        if self.fail_with is not None:
+            return [self.fail_with] * len(keys)
         return [1 if k in self.objects else 0 for k in keys]
 
     def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
         self.calls.append("put")
         self._maybe_hang()
+        if self.fail_with is not None:
+            return [self.fail_with] * len(keys)
         for k, p, s in zip(keys, ptrs, sizes):
             self.objects[k] = ctypes.string_at(p, s)
         return [0] * len(keys)
@@ -103,6 +108,8 @@ class FakeStoreClient:
     def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
         self.calls.append("get")
         self._maybe_hang()
+        if self.fail_with is not None:
+            return [self.fail_with] * len(keys)
         out = []
         for k, p, s in zip(keys, ptrs, sizes):
             data = self.objects.get(k)

@@ -11,9 +11,11 @@ import json
 import msgspec
 import pytest
 
+from kvplane.backend import get_backend
 from kvplane.flows.disagg import (
     DisaggConfig,
     DisaggConfigError,
+    PrefillSide,
     ProtocolError,
     TransferParams,
     TransferParamsError,
@@ -21,6 +23,8 @@ from kvplane.flows.disagg import (
 )
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.staging import StagingArena
+from kvplane.kv.binding import allocate_cache
+from kvplane.kv.spec import KVSpec
 
 ALL = [
     messages.Handshake("e", "b", "decode", 0, 2, b"m", b"p", "f"),
@@ -137,3 +141,11 @@ def test_staging_arena_lends_disjoint_aligned_ranges_and_merges_them_back() -> N
 def test_staging_more_than_the_arena_is_an_error_naming_the_setting() -> None:
     with pytest.raises(DisaggError, match="staging_bytes=64"):
         StagingArena(64).take(65)
+
+
+def test_a_tp_prefill_without_a_base_port_is_refused_before_binding() -> None:
+    spec = KVSpec.gqa(2, 4, 32, tokens_per_block=16, dtype="float32")
+    cache = allocate_cache(spec, "gqa_fused", 4)
+    with pytest.raises(DisaggConfigError, match=r"port=0 with tp_size=2.*fixed base port"):
+        PrefillSide(get_backend("cpu"), spec, cache, DisaggConfig(engine_id="p", rank=1, tp_size=2),
+                    layouts="gqa_fused")

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 from offload_fakes import GatedCpu, Harness, small_spec
 
 from kvplane.blocks import block_hashes
+from kvplane.errors import BlockError
 from kvplane.flows.offload import OffloadConfig, OffloadConfigError, OffloadEngine, OffloadError
 from kvplane.kv.binding import allocate_cache
 from kvplane.kv.spec import KVSpec
@@ -331,3 +333,58 @@ def test_offload_config_from_dict_rejects_unknown_keys_and_bad_values() -> None:
         OffloadConfig.from_dict({"host_bytes": 1, "store": {"master_address": "nope"}})
     with pytest.raises(OffloadConfigError, match="host_bytes=0"):
         OffloadConfig(host_bytes=0)
+
+
+def test_layers_saved_while_the_save_stream_is_busy_go_as_one_copy_and_land_byte_exactly() -> None:
+    backend = GatedCpu()
+    h = Harness(small_spec(layers=4), host_blocks=8, backend=backend)
+    gate = backend.gate(0)  # layer 0's copy holds the save stream
+    hashes = hashes_of(range(6))
+    for b, hsh in zip([5, 9, 2], hashes):
+        h.write(b, hsh)
+    h.engine.start_store("r", hashes, [5, 9, 2])
+    for name in h.spec.layer_names:
+        h.engine.save_layer(name)
+    assert backend.calls == 2  # layer 0 alone, then layers 1-3 as one plan once the job was complete
+    gate.set()
+    h.engine.wait_for_save()
+    assert h.engine.get_finished() == ({"r"}, set())
+    h.zero([5, 9, 2])
+    assert h.load("l", hashes, [20, 21, 22]) == 6
+    assert all(h.holds(b, hsh) for b, hsh in zip([20, 21, 22], hashes))
+
+
+def test_an_abort_enqueues_its_waiting_layers_and_frees_its_blocks_only_after_they_ran() -> None:
+    backend = GatedCpu()
+    h = Harness(small_spec(layers=4), host_blocks=8, backend=backend)
+    gate = backend.gate(0)
+    h.engine.start_store("r", hashes_of(range(4)), [1, 2])
+    h.engine.save_layer(h.spec.layer_names[0])
+    h.engine.save_layer(h.spec.layer_names[1])  # waits: the stream is busy
+    h.engine.abort("r")
+    assert backend.calls == 2  # the waiting layer was enqueued before the abort's event
+    assert h.engine.get_finished() == (set(), set())
+    assert h.engine.host_blocks_in_use() == 2  # copies still write into them
+    gate.set()
+    h.engine.wait_for_save()
+    assert h.engine.get_finished() == ({"r"}, set())
+    assert h.engine.host_blocks_in_use() == 0
+    assert h.engine.lookup(hashes_of(range(4))) == 0  # an aborted store caches nothing
+
+
+def test_caching_many_blocks_at_once_matches_caching_them_one_by_one() -> None:
+    from kvplane.flows.offload.index import _LruPool
+
+    rng = np.random.default_rng(3)
+    one, many = _LruPool(16), _LruPool(16)
+    for pool in (one, many):
+        pool.allocate(16)
+    for _ in range(5):  # re-keying blocks, hashes other blocks already hold, and repeats within one call
+        ids = rng.integers(0, 16, 12)
+        hashes = [int(h) for h in rng.integers(0, 10, 12)]
+        want = [one.cache(int(b), h) for b, h in zip(ids, hashes)]
+        assert many.cache_many(ids.astype(np.int64), hashes).tolist() == want
+        assert many._block_of == one._block_of and many._hash_of == one._hash_of
+    many.unref(np.arange(3, dtype=np.int64))
+    with pytest.raises(BlockError, match="block 0 is not referenced"):
+        many.cache_many(np.array([5, 0], dtype=np.int64), [1, 2])

@@ -2,7 +2,7 @@
 
 A store that hangs or reports itself unhealthy must cost a request at most the configured bound, log one
 warning, and leave the host tier working; host blocks a late call may still touch stay pinned until it returns.
-The real ``mooncake_master`` versions of these live in ``tests/integration/test_store.py``.
+The real ``mooncake_master`` versions of these live in ``tests/integration/test_offload_store.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kvplane.blocks import block_hashes
 from kvplane.flows.offload import MasterError, start_master
 from kvplane.flows.offload.keys import block_keys
 from kvplane.flows.offload.master import find_master_binary
+from kvplane.flows.offload.store import NO_AVAILABLE_HANDLE, RPC_FAIL
 
 BOUND_S = 3.0  # timeout_s is 0.5 in these tests: anything near this bound means a call was waited on
 
@@ -146,3 +147,49 @@ def test_start_master_names_a_missing_binary_and_quotes_a_failing_ones_exit() ->
             del os.environ["KVPLANE_MOONCAKE_MASTER"]
     with pytest.raises(MasterError, match="did not start: it exited with code 1"):
         start_master(binary="/bin/false", startup_timeout_s=5)
+
+
+def test_a_put_answered_with_rpc_fail_turns_the_store_off(caplog: pytest.LogCaptureFixture) -> None:
+    # the real client keeps health_check() == 0 for about a second after the master dies, while every call
+    # already returns RPC_FAIL (-900): a put must read that as "unreachable", not as a refused block
+    client = FakeStoreClient()
+    h = Harness(small_spec(), host_blocks=4, store_tier=fake_tier(client, write_through=True))
+    client.fail_with = RPC_FAIL
+    with caplog.at_level(logging.WARNING, logger="kvplane.offload.store"):
+        h.store("a", block_hashes(range(4), 2), [1, 2])
+        h.engine.wait_idle()
+    assert "RPC_FAIL" in caplog.text
+    assert h.engine.store is not None and not h.engine.store.tier.up
+    assert h.engine.host_blocks_in_use() == 0
+    h.zero([1, 2])
+    assert h.load("l", block_hashes(range(4), 2), [1, 2]) == 4  # the host tier still serves the prefix
+    assert h.holds(1, block_hashes(range(4), 2)[0])
+
+
+def test_a_put_refused_for_room_keeps_the_store_on(caplog: pytest.LogCaptureFixture) -> None:
+    client = FakeStoreClient(fail_with=NO_AVAILABLE_HANDLE)
+    h = Harness(small_spec(), host_blocks=4, store_tier=fake_tier(client, write_through=True))
+    with caplog.at_level(logging.WARNING, logger="kvplane.offload.store"):
+        h.store("a", block_hashes(range(4), 2), [1, 2])
+        h.engine.wait_idle()
+    assert "refused 2 put(s)" in caplog.text
+    assert h.engine.store is not None and h.engine.store.tier.up
+    assert h.engine.store.tier.degradations == 0
+
+
+def test_closing_an_unreachable_client_neither_waits_on_it_nor_destroys_it() -> None:
+    # the real client's destructor retries a dead master for about 5 s, at interpreter exit too: it is parked
+    import gc
+    import weakref
+
+    client = FakeStoreClient(healthy=False)
+    tier = fake_tier(client)
+    assert not tier.up
+    ref = weakref.ref(client)
+    start = time.monotonic()
+    tier.close()
+    assert time.monotonic() - start < BOUND_S
+    assert not client.closed
+    del tier, client
+    gc.collect()
+    assert ref() is not None

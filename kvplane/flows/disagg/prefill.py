@@ -33,6 +33,7 @@ from kvplane.blocks.groups import Ids, PerGroup
 from kvplane.errors import KvplaneError, ManifestMismatch
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.errors import DisaggConfigError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
@@ -55,6 +56,7 @@ from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
 from kvplane.plan.descriptors import CopyPlan
+from kvplane.plan.planner import TransferPlan
 
 logger = logging.getLogger("kvplane.disagg")
 REMEMBERED = 10_000  # released request ids kept to answer late messages about them
@@ -101,6 +103,11 @@ class PrefillSide:
         *,
         layouts: LayoutChoice | None = None,
     ) -> None:
+        if config.tp_size > 1 and not config.port:
+            raise DisaggConfigError(
+                f"DisaggConfig.port=0 with tp_size={config.tp_size}: decode finds prefill rank r at port + r, so a "
+                f"TP prefill needs a fixed base port (e.g. port=5600: rank 0 on 5600, rank 1 on 5601)"
+            )
         self.backend, self.spec, self.config = backend, spec, config
         self.local = LocalKV(backend, spec, kv_caches, config, "prefill", layouts)
         self.counters = channel.Counters()
@@ -199,9 +206,7 @@ class PrefillSide:
         held.block_ids, held.num_tokens, held.known, held.finished = ids, num_tokens, True, True
         held.deadline = time.monotonic() + self.config.lease_s
         for target in held.targets.values():
-            if target.plans is None:
-                self._build_plans(held, target)
-            self._push(held, target, target.layers)
+            self._push_rest(held, target)
         self._settle(held)
 
     def _on_abort(self, request_id: str) -> None:
@@ -302,9 +307,11 @@ class PrefillSide:
         if previous is not None and previous.inflight:
             target.error = "registered twice while the first push was in flight"
         held.targets[(reg.engine_id, reg.rank)] = target
-        if held.block_ids is not None:
+        if held.finished:
+            self._push_rest(held, target)
+        elif held.block_ids is not None:
             self._build_plans(held, target)
-            self._push(held, target, target.layers if held.finished else [x for x in target.layers if x in held.saved])
+            self._push(held, target, [x for x in target.layers if x in held.saved])
         self._settle(held)
 
     def _on_cancel(self, cancel: Cancel) -> None:
@@ -317,23 +324,35 @@ class PrefillSide:
         self._settle(held)
 
     # -- loop: pushing ------------------------------------------------------------------------------------
-    def _build_plans(self, held: Held, target: Target) -> None:
-        """Per-layer WRITE plans for one decode rank; staged layers land at consecutive staging offsets."""
+    def _source_ids(self, held: Held, target: Target) -> dict[int, Ids] | None:
+        """The request's block ids when a push to ``target`` can be planned (it expects no more tokens than
+        this prefill computed), else None."""
         if target.error or held.block_ids is None:
-            return
+            return None
+        if target.register.num_tokens > held.num_tokens:
+            target.error = (f"decode expects {target.register.num_tokens} tokens, this prefill computed "
+                            f"{held.num_tokens}; both must count the same prompt")
+            return None
+        return held.block_ids
+
+    def _route(self, src_ids: dict[int, Ids], target: Target, layers: list[str], offset: int) -> TransferPlan:
         reg = target.register
-        if reg.num_tokens > held.num_tokens:
-            target.error = (f"decode expects {reg.num_tokens} tokens, this prefill computed {held.num_tokens}; "
-                            f"both must count the same prompt")
-            return
         dst_ids = {int(g): np.asarray(v, dtype=np.int64) for g, v in reg.block_ids.items()}
+        staging = (reg.staging_addr + offset, reg.staging_bytes - offset) if reg.staging_addr else None
+        return route_plan(self.local.manifest, target.peer.manifest, src_ids, dst_ids, reg.num_tokens, layers,
+                          staging)
+
+    def _build_plans(self, held: Held, target: Target) -> None:
+        """Per-layer WRITE plans for one decode rank, each sent as its layer is saved; staged layers land at
+        consecutive staging offsets, in layer order, where the decode rank re-lays them out."""
+        src_ids = self._source_ids(held, target) if target.plans is None else None
+        if src_ids is None:
+            return
         plans: dict[str, CopyPlan] = {}
         offset = 0
         try:
             for layer in target.layers:
-                staging = (reg.staging_addr + offset, reg.staging_bytes - offset) if reg.staging_addr else None
-                tp = route_plan(self.local.manifest, target.peer.manifest, held.block_ids, dst_ids,
-                                reg.num_tokens, [layer], staging)
+                tp = self._route(src_ids, target, [layer], offset)
                 offset += tp.staging_bytes
                 plans[layer] = tp.plan
         except KvplaneError as e:
@@ -341,14 +360,33 @@ class PrefillSide:
             return
         target.plans = plans
 
+    def _push_rest(self, held: Held, target: Target) -> None:
+        """The request is finished: write every layer not yet sent. When none was (a whole-request push) and
+        nothing is staged, one plan over all layers is built in one planner call instead of one per layer."""
+        if not target.sent and target.plans is None and not target.register.staging_addr:
+            src_ids = self._source_ids(held, target)
+            if src_ids is None or target.cancelled or held.aborted:
+                return
+            try:
+                plan = self._route(src_ids, target, target.layers, 0).plan
+            except KvplaneError as e:
+                target.error = f"cannot plan the push: {e}"
+                return
+            self._send(held, target, target.layers, plan)
+            return
+        self._build_plans(held, target)
+        self._push(held, target, target.layers)
+
     def _push(self, held: Held, target: Target, layers: list[str]) -> None:
         if target.plans is None or target.error or target.cancelled or held.aborted:
             return
         todo = [x for x in layers if x not in target.sent]
-        if not todo:
-            return
-        target.sent.update(todo)
-        plan = CopyPlan.concat([target.plans[x] for x in todo]) if len(todo) > 1 else target.plans[todo[0]]
+        if todo:
+            plans = [target.plans[x] for x in todo]
+            self._send(held, target, todo, CopyPlan.concat(plans) if len(plans) > 1 else plans[0])
+
+    def _send(self, held: Held, target: Target, layers: list[str], plan: CopyPlan) -> None:
+        target.sent.update(layers)
         target.inflight += 1
 
         def landed(error: KvplaneError | None) -> None:

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import numpy as np
 
 from kvplane.backend.base import Backend, Event
+from kvplane.blocks.groups import Ids, PerGroup, per_group
 from kvplane.flows.offload.config import OffloadConfig
 from kvplane.flows.offload.copier import LayerCopier
 from kvplane.flows.offload.errors import OffloadError
 from kvplane.flows.offload.host_pool import HostPool
 from kvplane.flows.offload.index import HostIndex
-from kvplane.flows.offload.jobs import GroupBlocks, Ids, LoadJob, PerGroup, StoreJob, paired, per_group
+from kvplane.flows.offload.jobs import GroupBlocks, LoadJob, StoreJob, paired
 from kvplane.flows.offload.keys import fingerprint
 from kvplane.flows.offload.spill import StoreLink
 from kvplane.flows.offload.store import StoreTier
@@ -36,6 +38,7 @@ from kvplane.kv.binding import LayoutChoice, regions_from_tensors
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.regions import Region
 from kvplane.kv.spec import KVSpec
+from kvplane.plan.descriptors import CopyPlan
 
 LoadRequest = tuple[str, PerGroup, PerGroup]  # (request id, block hashes, device block ids)
 
@@ -64,6 +67,7 @@ class OffloadEngine:
         self.copier = LayerCopier(backend, by_layer, self.pool.regions)
         self._layer_group = {layer.name: layer.group_id for layer in spec.layers}
         self._group_ids = [g.group_id for g in spec.groups if g.group_id in self.pool.block_bytes]
+        self._group_layers = {g: [n for n, lg in self._layer_group.items() if lg == g] for g in self._group_ids}
         self._tokens_per_block = {g.group_id: g.tokens_per_block for g in spec.groups}
         self.fingerprint = fingerprint(spec, regions, tp_rank, tp_size)
         self.store: StoreLink | None = None
@@ -75,6 +79,8 @@ class OffloadEngine:
         self._saving: dict[str, StoreJob] = {}  # every copy enqueued (or aborted): waiting for the event
         self._loading: dict[str, LoadJob] = {}
         self._layer_events: dict[str, Event] = {}
+        self._pending_saves: list[CopyPlan] = []  # layers saved while the save stream was busy, not yet enqueued
+        self._pending_after: Event | None = None  # recorded after the latest of those layers' compute
         self._stored: set[str] = set()
         self._loaded: set[str] = set()
         self._load_errors: set[int] = set()
@@ -83,7 +89,7 @@ class OffloadEngine:
     def lookup(self, block_hashes: PerGroup) -> int:
         """Leading tokens available in the host tier, then the store: the fewest over the model's groups."""
         tokens: int | None = None
-        for g, hashes in per_group("block_hashes", block_hashes, self._group_ids).items():
+        for g, hashes in per_group("block_hashes", block_hashes, self._group_ids, OffloadError).items():
             runs = self._runs(g, hashes.tolist())
             t = sum(count for _, count in runs) * self._tokens_per_block[g]
             tokens = t if tokens is None else min(tokens, t)
@@ -120,7 +126,7 @@ class OffloadEngine:
         before_evict = self.store.before_evict if self.store is not None else None
         groups: dict[int, GroupBlocks] = {}
         for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
-            held = np.fromiter((self.index.block_of(g, h) is not None for h in hashes), np.bool_, len(hashes))
+            held = self.index.blocks_of(g, hashes) >= 0
             if held.any():
                 cached = [h for h, c in zip(hashes, held) if c]
                 self.index.release(g, self.index.pin(g, cached))  # touch: most recently used
@@ -130,6 +136,8 @@ class OffloadEngine:
                 groups[g] = GroupBlocks(device_ids[~held][: len(ids)], ids, new[: len(ids)])
         layers = {name for name, g in self._layer_group.items() if g in groups}
         job = StoreJob(request_id, groups, layers)
+        for g, blocks in groups.items():
+            job.plans.update(self.copier.save_plans(self._group_layers[g], blocks.device_ids, blocks.host_ids))
         if layers:
             self._open[request_id] = job
         else:
@@ -138,23 +146,38 @@ class OffloadEngine:
 
     def save_layer(self, layer_name: str) -> None:
         """After layer ``layer_name`` wrote its KV: enqueue its D2H for every open store (returns at once)."""
-        group = self._group_of(layer_name)
+        self._group_of(layer_name)
         jobs = [j for j in self._open.values() if layer_name in j.layers_left]
         if not jobs:
             return
-        device_ids = np.concatenate([j.groups[group].device_ids for j in jobs])
-        host_ids = np.concatenate([j.groups[group].host_ids for j in jobs])
-        self.copier.save(layer_name, device_ids, host_ids)
+        plan = jobs[0].plans[layer_name] if len(jobs) == 1 else CopyPlan.concat([j.plans[layer_name] for j in jobs])
+        self._pending_saves.append(plan)
+        self._pending_after = self.copier.after_compute()
         done = []
         for j in jobs:
             j.layers_left.discard(layer_name)
             if not j.layers_left:
                 done.append(j)
+        if done or self.copier.save_stream.query():
+            self._flush_saves()
         if done:
             event = self.copier.mark(self.copier.save_stream)
             for j in done:
                 j.event = event
                 self._saving[j.request_id] = self._open.pop(j.request_id)
+
+    def _flush_saves(self) -> None:
+        """Enqueue the D2H of every layer saved since the last flush as one copy, after the latest compute.
+
+        While the save stream is still copying earlier layers, later layers wait here and then go as one plan:
+        they could not have started sooner, and one call per batch instead of per layer matters where a copy
+        call is costly (the cpu backend's worker, a busy host). Layers of one plan never overlap in memory.
+        """
+        if not self._pending_saves:
+            return
+        plans, self._pending_saves = self._pending_saves, []
+        after, self._pending_after = self._pending_after, None
+        self.copier.save(plans[0] if len(plans) == 1 else CopyPlan.concat(plans), after)
 
     def wait_for_save(self) -> None:
         """Enqueue the layers no ``save_layer`` covered, then block until every store's copies are done."""
@@ -174,12 +197,16 @@ class OffloadEngine:
     def start_loads(self, requests: Iterable[LoadRequest]) -> dict[str, int]:
         """``start_load`` for several requests at once: one copy per layer covers all of them."""
         jobs = [self._prepare_load(rid, hashes, ids) for rid, hashes, ids in requests]
-        for name, g in self._layer_group.items():
+        plans: dict[str, CopyPlan] = {}
+        for g, layers in self._group_layers.items():
             parts = [j.groups[g] for j in jobs if g in j.groups]
             if parts:
                 host_ids = np.concatenate([p.host_ids for p in parts])
                 device_ids = np.concatenate([p.device_ids for p in parts])
-                self._layer_events[name] = self.copier.load(name, host_ids, device_ids)
+                plans.update(self.copier.load_plans(layers, host_ids, device_ids))
+        for name in self._layer_group:  # model order: layer i's copy is queued before layer i+1's
+            if name in plans:
+                self._layer_events[name] = self.copier.load(plans[name])
         final = self.copier.mark(self.copier.load_stream)
         out = {}
         for j in jobs:
@@ -289,6 +316,7 @@ class OffloadEngine:
         if request_id in self._open:
             job = self._open.pop(request_id)
             job.aborted = True
+            self._flush_saves()  # its blocks are released only after every copy into them
             job.event = self.copier.mark(self.copier.save_stream)
             self._saving[request_id] = job
         elif request_id in self._saving:
@@ -303,7 +331,8 @@ class OffloadEngine:
         deadline = time.monotonic() + timeout_s
         self.poll()
         while self.store is not None and self.store.in_flight and time.monotonic() < deadline:
-            time.sleep(0.005)
+            # wake when a call completes rather than on a polling tick; the short cap re-checks deadlines
+            wait(self.store.futures(), min(0.05, max(0.0, deadline - time.monotonic())), FIRST_COMPLETED)
             self.poll()
 
     def close(self) -> None:

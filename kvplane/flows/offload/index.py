@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.blocks.pool import BlockPool
+from kvplane.errors import BlockError
 
 Ids = npt.NDArray[np.int64]
 EvictHook = Callable[[int, list[int], list[int]], None]  # (group, victim block ids, their prefix hashes)
@@ -26,6 +27,34 @@ class _LruPool(BlockPool):
 
     def oldest_cached(self, n: int) -> list[int]:
         return list(itertools.islice(self._lru, n))
+
+    def cache_many(self, block_ids: Ids, hashes: Sequence[int]) -> npt.NDArray[np.bool_]:
+        """``cache`` for many blocks in order, with the range and refcount checks done once on the array.
+
+        What is left per block is a few dict operations (the prefix map is a dict): no numpy call per block.
+        """
+        ids = self._checked(block_ids)
+        idle = ids[self._refs[ids] == 0]
+        if idle.size:
+            raise BlockError(f"block {int(idle[0])} is not referenced; only a block being filled can be cached")
+        block_of, hash_of = self._block_of, self._hash_of
+        out = np.ones(ids.size, dtype=np.bool_)
+        for i, (b, h) in enumerate(zip(ids.tolist(), hashes)):
+            holder = block_of.get(h)
+            if holder is not None:
+                out[i] = holder == b
+                continue
+            old = hash_of.pop(b, None)
+            if old is not None:
+                del block_of[old]
+            hash_of[b] = h
+            block_of[h] = b
+        return out
+
+    def blocks_of(self, hashes: Sequence[int]) -> Ids:
+        """The block caching each hash, -1 where none does (no side effects)."""
+        get = self._block_of.get
+        return np.array([get(h, -1) for h in hashes], dtype=np.int64)
 
     @property
     def num_unused(self) -> int:
@@ -40,13 +69,12 @@ class HostIndex:
     # -- queries (no side effects) ------------------------------------------------------------------------
     def cached_prefix(self, group: int, hashes: Sequence[int]) -> int:
         """How many leading ``hashes`` the host tier holds."""
-        pool = self.pools[group]
-        n = 0
-        for h in hashes:
-            if pool.lookup(h) is None:
-                break
-            n += 1
-        return n
+        missing = np.flatnonzero(self.pools[group].blocks_of(hashes) < 0)
+        return int(missing[0]) if missing.size else len(hashes)
+
+    def blocks_of(self, group: int, hashes: Sequence[int]) -> Ids:
+        """The host block caching each hash, -1 where none does (no side effects)."""
+        return self.pools[group].blocks_of(hashes)
 
     def block_of(self, group: int, block_hash: int) -> int | None:
         return self.pools[group].lookup(block_hash)
@@ -58,7 +86,9 @@ class HostIndex:
     def pin(self, group: int, hashes: Sequence[int]) -> Ids:
         """Reference the cached blocks of ``hashes`` (all must be cached): they cannot be evicted until released."""
         pool = self.pools[group]
-        ids = np.fromiter((pool.lookup(h) for h in hashes), dtype=np.int64, count=len(hashes))
+        ids = pool.blocks_of(hashes)
+        if ids.size and int(ids.min()) < 0:
+            raise BlockError(f"hash {hashes[int(np.argmin(ids))]:#x} is not cached; pin only what lookup found")
         pool.ref(ids)
         return ids
 
@@ -76,8 +106,7 @@ class HostIndex:
 
     def cache(self, group: int, ids: Ids, hashes: Sequence[int]) -> npt.NDArray[np.bool_]:
         """Key filled blocks by their hashes; False where another block already holds that prefix."""
-        pool = self.pools[group]
-        return np.fromiter((pool.cache(int(b), int(h)) for b, h in zip(ids, hashes)), dtype=np.bool_, count=len(ids))
+        return self.pools[group].cache_many(ids, [int(h) for h in hashes])
 
     def release(self, group: int, ids: Ids) -> None:
         """Drop one reference each: keyed blocks become evictable, unkeyed ones free."""

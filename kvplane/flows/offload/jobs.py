@@ -3,22 +3,18 @@
 A ``StoreJob`` is open while some of its layers have not been enqueued, then in flight until the event after
 its last layer completes; a ``LoadJob`` is in flight from ``start_load`` until its last layer's event. An
 aborted job enqueues nothing more and is drained: its host blocks are released once the event recorded at
-abort time (after every copy it had enqueued) completes. ``per_group`` normalises what callers pass.
+abort time (after every copy it had enqueued) completes. ``paired`` checks what callers pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-import numpy.typing as npt
-
 from kvplane.backend.base import Event
+from kvplane.blocks.groups import Ids, PerGroup, per_group
 from kvplane.flows.offload.errors import OffloadError
-
-Ids = npt.NDArray[np.int64]
-PerGroup = Sequence[int] | npt.NDArray[np.int64] | Mapping[int, Sequence[int] | npt.NDArray[np.int64]]
+from kvplane.plan.descriptors import CopyPlan
 
 
 @dataclass
@@ -35,6 +31,7 @@ class StoreJob:
     request_id: str
     groups: dict[int, GroupBlocks]
     layers_left: set[str]
+    plans: dict[str, CopyPlan] = field(default_factory=dict)  # each layer's D2H, built at start_store
     event: Event | None = None  # after the last enqueued copy, once no layer is left or on abort
     aborted: bool = False
 
@@ -49,26 +46,12 @@ class LoadJob:
     error_block_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
-def per_group(what: str, value: PerGroup, group_ids: Sequence[int]) -> dict[int, Ids]:
-    """``{group: int64 ids}`` from a mapping, or from one sequence when the model has a single KV-cache group."""
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(group_ids))
-        if unknown:
-            raise OffloadError(f"{what} has group id(s) {unknown}; this model's groups are {list(group_ids)}")
-        return {int(g): np.asarray(v, dtype=np.int64).ravel() for g, v in value.items()}
-    if len(group_ids) != 1:
-        raise OffloadError(
-            f"{what} is one sequence but the model has KV-cache groups {list(group_ids)}; pass {{group_id: ...}}"
-        )
-    return {group_ids[0]: np.asarray(value, dtype=np.int64).ravel()}
-
-
 def paired(
     request_id: str, hashes: PerGroup, device_ids: PerGroup, group_ids: Sequence[int]
 ) -> dict[int, tuple[list[int], Ids]]:
     """Hashes and device ids per group, checked to pair up one to one."""
-    hs = per_group("block_hashes", hashes, group_ids)
-    ds = per_group("device_block_ids", device_ids, group_ids)
+    hs = per_group("block_hashes", hashes, group_ids, OffloadError)
+    ds = per_group("device_block_ids", device_ids, group_ids, OffloadError)
     if set(hs) != set(ds):
         raise OffloadError(
             f"request {request_id!r}: block_hashes has groups {sorted(hs)}, device_block_ids {sorted(ds)}; "

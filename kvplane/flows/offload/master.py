@@ -50,6 +50,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether something listens on ``host:port`` (TIME_WAIT leftovers do not count, as for the master)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 class MooncakeMaster:
     """A running ``mooncake_master``; ``address`` is what ``StoreConfig.master_address`` takes."""
 
@@ -110,6 +121,15 @@ def start_master(
     error = ""
     for _ in range(attempts):  # a free port can be taken between choosing it and the master binding it
         rpc_port = port if port is not None else free_port(host)
+        if port_taken(host, rpc_port):
+            # the master would fail to bind while the readiness probe below connects to whoever holds the port
+            error = f"port {rpc_port} on {host} is already in use"
+            if port is not None:
+                raise MasterError(
+                    f"mooncake_master cannot listen on {host}:{port}: the port is already in use; stop what holds "
+                    f"it, or pass port=None to pick a free one"
+                )
+            continue
         fd, name = tempfile.mkstemp(prefix="kvplane-mooncake-master-", suffix=".log")
         log_path = Path(name)
         cmd = [

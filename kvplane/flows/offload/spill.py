@@ -35,7 +35,8 @@ class StoreLink:
     def keys(self, group: int, hashes: list[int]) -> list[str]:
         return block_keys(self.tier.config.namespace, self.fingerprint, group, hashes)
 
-    def _addrs(self, group: int, ids: Ids) -> tuple[list[int], list[int]]:
+    def addrs(self, group: int, ids: Ids) -> tuple[list[int], list[int]]:
+        """Start address and size of each host block ``ids`` of ``group`` (one store object each)."""
         size = self.pool.block_bytes[group]
         base = int(self.pool.buffers[group].data_ptr())
         return (base + ids * size).tolist(), [size] * len(ids)
@@ -46,7 +47,7 @@ class StoreLink:
 
     def write(self, group: int, ids: Ids, hashes: list[int]) -> None:
         """Put host blocks the caller holds a reference on; that reference goes with the put, released by poll."""
-        addrs, sizes = self._addrs(group, ids)
+        addrs, sizes = self.addrs(group, ids)
         future = self.tier.put(self.keys(group, hashes), addrs, sizes)
         if future is None:
             self.index.release(group, ids)
@@ -59,7 +60,7 @@ class StoreLink:
         if self.write_through or not victims:
             return
         ids = np.asarray(victims, dtype=np.int64)
-        addrs, sizes = self._addrs(group, ids)
+        addrs, sizes = self.addrs(group, ids)
         future = self.tier.put(self.keys(group, hashes), addrs, sizes)
         if future is None:
             return
@@ -78,7 +79,7 @@ class StoreLink:
         if not hashes or not self.tier.up:
             return np.zeros(0, dtype=np.int64)
         ids = self.index.allocate(group, len(hashes), self.before_evict)
-        addrs, sizes = self._addrs(group, ids)
+        addrs, sizes = self.addrs(group, ids)
         ok, future = self.tier.get(self.keys(group, hashes[: len(ids)]), addrs, sizes)
         got = len(ok) if all(ok) else ok.index(False)
         self.index.cache(group, ids[:got], hashes[:got])

@@ -5,7 +5,9 @@ blocks; both go straight from and into the registered host pool (``batch_put_fro
 
 A store that stops answering must never fail or hang a request. Every Mooncake call runs on a daemon worker
 thread, and the caller waits at most ``timeout_s`` plus the call's bytes at ``min_gbps``. A call past its bound,
-a client that reports itself unhealthy (``health_check``), or a setup that does not finish turns the tier off
+a client that reports itself unhealthy (``health_check``), a call answered with ``RPC_FAIL`` (the real
+client keeps reporting healthy for about a second after its master dies), or a setup that does not finish
+(against a dead master ``setup`` itself takes about 90 s) turns the tier off
 with one warning; after ``retry_after_s`` the next call checks health again and turns it back on. A call that
 timed out may still be running: the caller keeps the host blocks it reads or writes pinned until its future
 completes (``StoreWrite.done``), so a late transfer never sees a reused block.
@@ -30,8 +32,23 @@ from kvplane.flows.offload.errors import StoreError
 logger = logging.getLogger("kvplane.offload.store")
 
 T = TypeVar("T")
-OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode for a key it does not hold: a miss, not a failure
-_ABANDONED: list[Any] = []  # clients given up on while unreachable: destroying one blocks while it retries
+# Mooncake's ErrorCode values the tier tells apart (mooncake-store types.h; seen from the 0.3.13 wheel here)
+NO_AVAILABLE_HANDLE = -200  # put: no segment has room for the object; the block stays host-only
+INVALID_PARAMS = -600  # get: the destination is smaller than the object
+OBJECT_NOT_FOUND = -704  # get: a key the store does not hold; a miss, not a failure
+RPC_FAIL = -900  # any call: the master did not answer (killed, restarting, network down)
+_PARKED = threading.Event()  # never set: abandoned clients wait on it with the daemon threads that hold them
+
+
+def _hold(client: Any) -> None:
+    _PARKED.wait()
+
+
+def _abandon(client: Any) -> None:
+    """Keep an unreachable client referenced without ever destroying it: its destructor retries the dead master
+    for seconds (seen: about 5 s per client, at interpreter exit too). A daemon thread's frame is not freed at
+    exit, so a process with an abandoned client still ends at once."""
+    threading.Thread(target=_hold, args=(client,), name="kvplane-store-abandoned", daemon=True).start()
 
 
 class _Worker:
@@ -112,6 +129,11 @@ class StoreTier:
         else:
             if rc != 0:
                 self._degrade(f"setup with master {c.master_address} returned {rc}")
+
+    @property
+    def client(self) -> Any:
+        """The ``MooncakeDistributedStore`` this tier drives (the bench calls it directly as its baseline)."""
+        return self._client
 
     # -- health -------------------------------------------------------------------------------------------
     @property
@@ -217,6 +239,8 @@ class StoreTier:
         error = write.future.exception()
         if error is not None:
             self._degrade(f"batch_put_from raised {error!r}")
+        elif any(rc == RPC_FAIL for rc in write.future.result()):
+            self._degrade(f"batch_put_from returned RPC_FAIL ({RPC_FAIL}): the master does not answer")
         elif any(rc < 0 for rc in write.future.result()):
             bad = sorted({rc for rc in write.future.result() if rc < 0})
             logger.warning("Mooncake store refused %d put(s) (codes %s); those blocks stay host-only",
@@ -239,7 +263,7 @@ class StoreTier:
         if got is None:
             return [False] * len(keys), future
         ok = [rc == size for rc, size in zip(got, s)]
-        if not any(ok) and got and all(rc < 0 and rc != OBJECT_NOT_FOUND for rc in got):
+        if RPC_FAIL in got or (not any(ok) and got and all(rc < 0 and rc != OBJECT_NOT_FOUND for rc in got)):
             self._degrade(f"batch_get_into returned errors {sorted(set(got))[:3]}")
         return ok, future
 
@@ -259,4 +283,4 @@ class StoreTier:
             threading.Thread(target=close, name="kvplane-store-close", daemon=True).start()
             if done.wait(timeout_s):
                 return
-        _ABANDONED.append(self._client)
+        _abandon(self._client)

@@ -1,0 +1,202 @@
+"""P/D through the disaggregation flow (kind ``pd``): a ``PrefillSide`` and a ``DecodeSide`` in this process,
+each with its own transport engine on 127.0.0.1 and its own ZMQ socket, move 10k tokens of scattered blocks
+the way an engine pair would: pull, push, and layer-wise push behind a simulated prefill.
+
+The figure is the time from *prefill done* (``request_finished``, or the last ``save_layer``) to *KV ready at
+decode* (``get_finished`` reports the request done): side channel, planning, transfer and completion messages
+included. The baseline is the raw engine moving the same blocks (the plan's descriptors through its own batch
+calls) in the same run, so ``ratio`` is what the flow costs over bare bytes on the wire.
+
+Layer-wise push runs the prefill as ``PREFILL_COMPUTE_S`` of simulated compute split evenly over the layers
+(seed 001's local prefill of 10k tokens took 470 ms), saving each layer as it ends. In the same run a whole-request
+push of the same blocks is timed; ``hidden`` is the share of that push's time that no longer shows after prefill
+done, ``1 - exposed / push``. It can exceed ``compute / push``: per-layer writes are smaller transfers, several in
+flight at once (``max_inflight``), which on loopback can finish sooner than one whole-request transfer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from kvplane.backend.base import Backend
+from kvplane.bench.models import model_spec
+from kvplane.bench.pd import raw_move
+from kvplane.bench.peer import KVBuffer
+from kvplane.bench.results import BenchResult, make_result
+from kvplane.bench.scenarios import Scenario, register
+from kvplane.errors import KvplaneError
+from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide, TransferParams
+from kvplane.plan.planner import plan_transfer
+from kvplane.transports.base import Op, Transport
+
+Mode = Literal["pull", "push", "layerwise"]
+BLOCK_TOKENS = 16
+TOKENS, QUICK_TOKENS = 10_000, 2_000
+PREFILL_COMPUTE_S = 0.470  # per 10k tokens, scaled with the request
+ENGINES = ("mooncake", "nixl")
+MODELS = ("qwen3-0.6b", "deepseek-v3")
+MODES: tuple[Mode, ...] = ("pull", "push", "layerwise")
+WAIT_S = 120.0
+
+
+@dataclass
+class _Sides:
+    key: tuple[str, str, str, int]
+    prefill: PrefillSide
+    decode: DecodeSide
+    p_kv: KVBuffer
+    d_kv: KVBuffer
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+
+
+_held: list[_Sides] = []  # one pair at a time, shared by the three modes of an engine and model
+
+
+def _sides(backend: Backend, engine: str, model: str, tokens: int) -> _Sides:
+    key = (backend.label, engine, model, tokens)
+    if _held and _held[0].key == key:
+        return _held[0]
+    close_all()
+    spec = model_spec(model, BLOCK_TOKENS)
+    layout = backend.layouts[spec.layers[0].family]
+    num_blocks = 2 * -(-tokens // BLOCK_TOKENS)
+    p_kv = KVBuffer(spec, layout, num_blocks, backend.alloc_device)
+    d_kv = KVBuffer(spec, layout, num_blocks, backend.alloc_device)
+    p_kv.fill(1)
+    tag = uuid.uuid4().hex[:6]
+    common: dict[str, Any] = {"transport": engine, "transfer_timeout_s": WAIT_S, "push_timeout_s": WAIT_S,
+                              "lease_s": WAIT_S, "port": 0}
+    prefill = PrefillSide(backend, spec, p_kv.cache, DisaggConfig(engine_id=f"bench-p-{tag}", **common),
+                          layouts=layout)
+    decode = DecodeSide(backend, spec, d_kv.cache, DisaggConfig(engine_id=f"bench-d-{tag}", **common),
+                        layouts=layout)
+    _held.append(_Sides(key, prefill, decode, p_kv, d_kv))
+    return _held[0]
+
+
+def close_all() -> None:
+    while _held:
+        _held.pop().close()
+
+
+def _wait_done(side: PrefillSide | DecodeSide, request_id: str) -> float:
+    """Poll ``get_finished`` until ``request_id`` is reported; the monotonic time it was seen done."""
+    end = time.monotonic() + WAIT_S
+    while True:
+        for c in side.get_finished():
+            if c.request_id == request_id:
+                if c.state != "done":
+                    raise KvplaneError(f"bench request {request_id} ended {c.state}: {c.reason}")
+                return time.monotonic()
+        if time.monotonic() > end:
+            raise KvplaneError(f"bench request {request_id} not done within {WAIT_S} s")
+        time.sleep(0.0002)
+
+
+def _push_params(sides: _Sides, request_id: str) -> TransferParams:
+    """What a proxy hands decode before the prefill runs (push modes)."""
+    return TransferParams(
+        remote_engine_id=sides.prefill.config.engine_id, remote_request_id=request_id, remote_block_ids=[],
+        remote_host="127.0.0.1", remote_port=sides.prefill.base_port, tp_size=1, remote_block_size=BLOCK_TOKENS,
+        remote_num_tokens=0, remote_boot_id="", kvplane_mode="push",
+    )
+
+
+def _one(sides: _Sides, mode: Mode, p_ids: np.ndarray, d_ids: np.ndarray, tokens: int, compute_s: float) -> float:
+    """One request through the flow: seconds from prefill done to KV ready at decode."""
+    rid = f"bench-{uuid.uuid4().hex[:10]}"
+    prefill, decode = sides.prefill, sides.decode
+    if mode == "pull":
+        done = time.monotonic()
+        params = prefill.request_finished(rid, {0: p_ids}, tokens)
+        decode.start_pull(rid, params, {0: d_ids}, tokens)
+    else:
+        decode.register_push(rid, _push_params(sides, rid), {0: d_ids}, tokens)
+        time.sleep(0.2)  # decode registers while the prefill computes: let the registration land first
+        if mode == "layerwise":
+            prefill.start_request(rid, {0: p_ids}, tokens)
+            per_layer = compute_s / len(sides.p_kv.spec.layers)
+            for layer in sides.p_kv.spec.layer_names:
+                time.sleep(per_layer)  # the layer's compute; the I/O loop writes earlier layers meanwhile
+                prefill.save_layer(layer)
+        done = time.monotonic()
+        prefill.request_finished(rid, {0: p_ids}, tokens)
+    ready = _wait_done(decode, rid)
+    _wait_done(prefill, rid)  # the prefill side released the blocks: the next request starts clean
+    return ready - done
+
+
+def run_flow(backend: Backend, engine: str, model: str, mode: Mode, quick: bool) -> BenchResult:
+    tokens = QUICK_TOKENS if quick else TOKENS
+    sides = _sides(backend, engine, model, tokens)
+    blocks = -(-tokens // BLOCK_TOKENS)
+    rng = np.random.default_rng({"pull": 11, "push": 12, "layerwise": 13}[mode])
+    p_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
+    d_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
+    compute_s = PREFILL_COMPUTE_S * tokens / TOKENS
+
+    sides.d_kv.buffer.zero_()
+    first = _one(sides, mode, p_ids, d_ids, tokens, compute_s)  # also the handshake, which is not timed again
+    verified = sides.d_kv.digest(d_ids) == sides.p_kv.digest(p_ids)
+
+    op: Op = "READ" if mode == "pull" else "WRITE"
+    mover: Transport = sides.decode.local.transport if op == "READ" else sides.prefill.local.transport
+    other = sides.prefill.local if op == "READ" else sides.decode.local
+    handle = mover.connect(other.transport.peer_info())
+    p_man, d_man = sides.prefill.local.manifest, sides.decode.local.manifest
+    plan = plan_transfer(p_man, d_man, {0: p_ids}, {0: d_ids}, {0: tokens}).plan
+
+    reps = 2
+    ours, raw, pushes = [], [], []
+    for _ in range(reps):
+        ours.append(_one(sides, mode, p_ids, d_ids, tokens, compute_s))
+        start = time.perf_counter()
+        raw_move(mover, handle, op, plan)
+        raw.append(time.perf_counter() - start)
+        if mode == "layerwise":
+            pushes.append(_one(sides, "push", p_ids, d_ids, tokens, compute_s))
+    seconds, baseline_seconds = statistics.median(ours), statistics.median(raw)
+    params: dict[str, Any] = {
+        "model": model, "mode": mode, "tokens": tokens, "block_tokens": BLOCK_TOKENS,
+        "descriptors": len(plan), "first_request_ms": round(first * 1e3, 1),
+        "prefill_done_to_kv_ready_ms": round(seconds * 1e3, 1), "raw_ms": round(baseline_seconds * 1e3, 1),
+        "sides": "one process, two transport engines on 127.0.0.1",
+    }
+    if mode == "layerwise":
+        push_s = statistics.median(pushes)
+        params.update({
+            "simulated_prefill_ms": round(compute_s * 1e3, 1), "push_ms": round(push_s * 1e3, 1),
+            "hidden": round(min(1.0, max(0.0, 1 - seconds / push_s)), 3),
+            "compute_over_push": round(compute_s / push_s, 3),
+        })
+        params["note"] = f"{seconds * 1e3:.0f} ms after prefill, push {push_s * 1e3:.0f} ms: hidden {params['hidden']:.2f}"
+    return make_result(
+        scenario=f"pd-flow-{engine}-{model}-{mode}", kind="pd", backend=backend.label, transport=engine,
+        nbytes=plan.total_bytes, seconds=seconds, baseline=f"raw {engine} {op}", baseline_seconds=baseline_seconds,
+        verified=verified, params=params,
+    )
+
+
+def _scenario(engine: str, model: str, mode: Mode) -> Scenario:
+    def run(backend: Backend, quick: bool) -> BenchResult:
+        return run_flow(backend, engine, model, mode, quick)
+
+    return Scenario(f"pd-flow-{engine}-{model}-{mode}", "pd", run, {"engine": engine, "model": model, "mode": mode})
+
+
+atexit.register(close_all)
+
+for _engine in ENGINES:
+    for _model in MODELS:
+        for _mode in MODES:
+            register(_scenario(_engine, _model, _mode))

@@ -1,0 +1,251 @@
+"""Store-tier scenarios (kind ``store``): host blocks into and out of Mooncake Store through kvplane's store
+tier, against raw ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of the same bytes.
+
+Each scenario starts a loopback ``mooncake_master`` (and stops it) and an ``OffloadEngine`` whose store tier
+writes through. A request's blocks (2k tokens of 16-token blocks by default, 512 with ``--quick``; the
+``-10k`` variants are not in the default set) are stored once; their host blocks are the source of every put.
+
+- ``put``: the tier's write of those host blocks under a fresh prefix (keys, addresses, the put on the tier's
+  worker, its future, the pins it holds until ``poll`` releases them) vs ``batch_put_from`` of the same host
+  blocks under fresh keys, on the same client. ``params["engine_gbps"]``: a whole write-through store of a
+  fresh prefix from the device (start_store .. wait_for_save, D2H included) until its put is done.
+- ``get``: the tier's fetch of a prefix only the store holds into free host blocks (existence is checked by
+  the engine's lookup first, as a load does) vs ``batch_get_into`` of the same objects into the same host
+  blocks. ``params["engine_gbps"]``: a whole ``start_load`` of such a prefix onto the device (H2D included).
+
+Bytes are verified: a put is read back with a raw get and compared with its host blocks; a whole load from
+the store is compared with the device blocks it came from. Objects are removed after each rep so the
+store's segment holds at most a few copies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from typing import Any
+
+from kvplane.backend.base import Backend
+from kvplane.bench.local_copy import _same_blocks
+from kvplane.bench.models import MODELS, model_spec
+from kvplane.bench.offload import BLOCK_TOKENS, OffloadRig, build_rig, load_once, store_once
+from kvplane.bench.results import BenchResult, make_result
+from kvplane.bench.scenarios import Scenario, register
+from kvplane.bench.timing import timed
+from kvplane.flows.offload import StoreConfig, start_master
+from kvplane.flows.offload.spill import StoreLink
+
+TOKENS, QUICK_TOKENS, BIG_TOKENS = 2_000, 512, 10_000
+REPS, QUICK_REPS = 5, 2
+GROUP = 0
+
+
+class _Prefixes:
+    """Fresh block hashes, never seen by the host tier or the store (distinct from the rig's own prefixes)."""
+
+    def __init__(self, blocks: int) -> None:
+        self._blocks = blocks
+        self._next = itertools.count(1)
+
+    def __call__(self) -> list[int]:
+        base = next(self._next) << 32
+        return list(range(base, base + self._blocks))
+
+
+class StoreRig:
+    """An offload rig with a write-through store tier, its stored source prefix pinned in the host tier."""
+
+    def __init__(self, backend: Backend, model: str, tokens: int, master_address: str) -> None:
+        blocks = -(-tokens // BLOCK_TOKENS)
+        nbytes = blocks * model_spec(model, BLOCK_TOKENS).bytes_per_token * BLOCK_TOKENS
+        config = StoreConfig(
+            master_address, write_through=True, segment_bytes=4 * nbytes + (64 << 20),
+            local_buffer_bytes=16 << 20, timeout_s=30.0, namespace="kvplane-bench",
+        )
+        # the host tier holds two requests: the pinned source and one fetched prefix
+        self.rig: OffloadRig = build_rig(backend, model, tokens, host_blocks_factor=2, store=config)
+        engine = self.rig.engine
+        if engine.store is None or not engine.store.tier.up:
+            raise RuntimeError(f"bench: the store tier at {master_address} is not up")
+        self.link: StoreLink = engine.store
+        self.client: Any = self.link.tier.client  # the same MooncakeDistributedStore the tier drives
+        self.source = next(self.rig.prefixes)
+        store_once(self.rig, "bench-source", self.source)
+        engine.wait_idle()
+        self.source_ids = engine.index.pin(GROUP, self.source)  # never evicted while the bench runs
+        self.addrs, self.sizes = self.link.addrs(GROUP, self.source_ids)
+        self.fresh = _Prefixes(len(self.source))
+        self.nbytes = int(sum(self.sizes))
+
+    def remove(self, keys: list[str]) -> None:
+        self.client.batch_remove(keys, True)  # force: a get leaves a lease on its objects
+
+    def raw_keys(self) -> list[str]:
+        return [f"kvplane-bench-raw/{h:016x}" for h in self.fresh()]
+
+    def close(self) -> None:
+        self.rig.engine.index.release(GROUP, self.source_ids)
+        self.rig.close()
+
+
+def _tier_put(s: StoreRig) -> tuple[float, list[str]]:
+    hashes = s.fresh()
+    ids = s.rig.engine.index.pin(GROUP, s.source)  # write() takes over this reference until the put is done
+
+    def put() -> None:
+        s.link.write(GROUP, ids, hashes)
+        s.rig.engine.wait_idle()
+
+    seconds = timed(put)
+    return seconds, s.link.keys(GROUP, hashes)
+
+
+def _raw_put(s: StoreRig) -> tuple[float, list[str], list[int]]:
+    keys = s.raw_keys()
+    codes: list[int] = []
+    seconds = timed(lambda: codes.extend(s.client.batch_put_from(keys, s.addrs, s.sizes)))
+    return seconds, keys, codes
+
+
+def _put_back_equal(s: StoreRig, keys: list[str]) -> bool:
+    """Read ``keys`` back with raw gets into free host blocks and compare with the source blocks."""
+    engine = s.rig.engine
+    scratch = engine.index.allocate(GROUP, len(keys))
+    try:
+        addrs, sizes = s.link.addrs(GROUP, scratch)
+        got = s.client.batch_get_into(keys, addrs, sizes)
+        if list(got) != sizes:
+            return False
+        pool = engine.pool
+        for src, dst in ((int(a), int(b)) for a, b in zip(s.source_ids, scratch)):
+            if not bool((pool.block(GROUP, src) == pool.block(GROUP, dst)).all()):
+                return False
+        return True
+    finally:
+        engine.index.release(GROUP, scratch)
+
+
+def run_put(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]:
+    ours, raw, e2e = [], [], []
+    verified = True
+    for rep in range(reps + 1):  # the first round warms up
+        t, keys = _tier_put(s)
+        if rep == 0:
+            verified = _put_back_equal(s, keys)
+        s.remove(keys)
+        r, raw_keys, codes = _raw_put(s)
+        verified = verified and all(c == 0 for c in codes)
+        s.remove(raw_keys)
+        hashes = s.fresh()
+
+        def whole_store() -> None:
+            store_once(s.rig, f"bench-put-{rep}", hashes)  # noqa: B023
+            s.rig.engine.wait_idle()
+
+        e = timed(whole_store)
+        s.remove(s.link.keys(GROUP, hashes))
+        if rep:
+            ours.append(t)
+            raw.append(r)
+            e2e.append(e)
+    return statistics.median(ours), statistics.median(raw), verified, _e2e(s, e2e)
+
+
+def run_get(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]:
+    engine = s.rig.engine
+    ours, raw, e2e = [], [], []
+    verified = True
+    for rep in range(reps + 1):
+        hashes, load_hashes = s.fresh(), s.fresh()
+        keys, load_keys = s.link.keys(GROUP, hashes), s.link.keys(GROUP, load_hashes)
+        for k in (keys, load_keys):  # untimed: the objects the gets read
+            if any(c != 0 for c in s.client.batch_put_from(k, s.addrs, s.sizes)):
+                raise RuntimeError("bench: a raw put of the get scenario's source failed")
+        fetched: list[Any] = []
+
+        def fetch() -> None:
+            if s.link.count_prefix(GROUP, hashes) != len(hashes):  # what a load's lookup asks first
+                raise RuntimeError("bench: the store does not hold the prefix just put")
+            fetched.append(s.link.fetch(GROUP, hashes))
+
+        t = timed(fetch)
+        ids = fetched[0]
+        verified = verified and len(ids) == len(hashes)
+        engine.index.release(GROUP, ids)
+        addrs, sizes = s.link.addrs(GROUP, ids)  # the same host blocks, for the raw get
+        codes: list[int] = []
+        r = timed(lambda: codes.extend(s.client.batch_get_into(keys, addrs, sizes)))  # noqa: B023
+        verified = verified and list(codes) == sizes
+        tokens: list[int] = []
+        e = timed(lambda: tokens.append(load_once(s.rig, f"bench-get-{rep}", load_hashes)))  # noqa: B023
+        verified = verified and tokens[0] == len(load_hashes) * BLOCK_TOKENS
+        if rep == 0:
+            rig = s.rig
+            verified = verified and _same_blocks(
+                rig.spec, rig.cache, rig.src_ids, rig.cache, rig.dst_ids, engine.backend.layouts
+            )
+        s.remove(keys + load_keys)
+        if rep:
+            ours.append(t)
+            raw.append(r)
+            e2e.append(e)
+    return statistics.median(ours), statistics.median(raw), verified, _e2e(s, e2e)
+
+
+def _e2e(s: StoreRig, seconds: list[float]) -> dict[str, Any]:
+    med = statistics.median(seconds)
+    gbps = round(s.nbytes / med / 1e9, 3) if med > 0 else 0.0
+    return {"engine_s": round(med, 4), "engine_gbps": gbps, "note": f"engine {gbps:.1f} GB/s (device incl.)"}
+
+
+def run_store(backend: Backend, model: str, op: str, tokens: int, quick: bool) -> BenchResult:
+    tokens = min(tokens, QUICK_TOKENS) if quick else tokens
+    reps = QUICK_REPS if quick else REPS
+    with start_master() as master:
+        s = StoreRig(backend, model, tokens, master.address)
+        try:
+            run = run_put if op == "put" else run_get
+            seconds, baseline_seconds, verified, extra = run(s, reps)
+        finally:
+            s.close()
+    return make_result(
+        scenario=_name(model, op, tokens if not quick else TOKENS),
+        kind="store",
+        backend=backend.label,
+        transport="mooncake-store",
+        nbytes=s.nbytes,
+        seconds=seconds,
+        baseline=f"raw batch_{'put_from' if op == 'put' else 'get_into'}",
+        baseline_seconds=baseline_seconds,
+        verified=verified,
+        params={
+            "model": model, "op": op, "tokens": tokens, "block_tokens": BLOCK_TOKENS, "blocks": len(s.source),
+            "objects_per_call": len(s.source), **extra,
+        },
+    )
+
+
+def _name(model: str, op: str, tokens: int) -> str:
+    return f"store-{model}-{op}" + ("" if tokens == TOKENS else f"-{tokens // 1000}k")
+
+
+def _scenario(model: str, op: str, tokens: int) -> Scenario:
+    def run(backend: Backend, quick: bool) -> BenchResult:
+        return run_store(backend, model, op, tokens, quick)
+
+    params = {"model": model, "op": op, "tokens": tokens}
+    return Scenario(_name(model, op, tokens), "store", run, params, default=tokens == TOKENS)
+
+
+def _available() -> bool:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if _available():  # without Mooncake Store there is nothing to measure: the scenarios are not offered
+    for _model in MODELS:
+        for _op in ("put", "get"):
+            for _tokens in (TOKENS, BIG_TOKENS):
+                register(_scenario(_model, _op, _tokens))
