@@ -270,7 +270,12 @@ class PrefillSide:
     def _on_read_done(self, identity: bytes, done: ReadDone) -> None:
         held = self._held.get(done.request_id)
         if held is None:
-            return
+            if done.request_id in self._released:
+                return
+            # vLLM gives the proxy kv_transfer_params a step before its worker calls request_finished here, so a
+            # fast decode may be done reading first: keep its word until the request comes (or a lease passes)
+            held = self._entry(done.request_id)
+            held.deadline = time.monotonic() + self.config.lease_s
         if done.expect_boot != self.local.boot_id:
             self._reply(identity, Problem(done.request_id, self.config.rank, "stale: this prefill rank restarted"))
             return

@@ -1,0 +1,1 @@
+"""Engine integrations: thin adapters from an engine's connector API to kvplane's flows (``vllm``)."""

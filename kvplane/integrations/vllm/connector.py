@@ -1,0 +1,145 @@
+"""``KVPlaneConnector``: kvplane behind vLLM's ``KVConnectorBase_V1`` (+ ``SupportsHMA`` for hybrid models).
+
+vLLM builds it twice from the same ``--kv-transfer-config``: once in the scheduler
+(``KVConnectorRole.SCHEDULER``: ``SchedulerSide``) and once in every worker (``WORKER``: ``WorkerSide``). This
+class only routes each of vLLM's calls to the half that owns it; ``scheduler.py`` and ``worker.py`` say what
+happens and in which order vLLM calls them. Load failures are reported block by block through
+``get_block_ids_with_load_errors``; vLLM's scheduler applies ``kv_load_failure_policy`` (fail or recompute).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvplane.integrations.vllm.compat import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from kvplane.integrations.vllm.config import ConnectorConfig
+from kvplane.integrations.vllm.metadata import KVPlaneMetadata
+from kvplane.integrations.vllm.scheduler import SchedulerSide
+from kvplane.integrations.vllm.stats import KVPlaneStats
+from kvplane.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError):  # no TP group (a single worker, or a test harness)
+        return 0
+
+
+def _kv_lora_rank(vllm_config: Any) -> int | None:
+    model_config = getattr(vllm_config, "model_config", None)
+    hf = getattr(model_config, "hf_text_config", None) if model_config is not None else None
+    rank = getattr(hf, "kv_lora_rank", None)
+    return int(rank) if isinstance(rank, int) else None
+
+
+class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        parallel = vllm_config.parallel_config
+        dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        self.config = ConnectorConfig.from_extra(
+            transfer.kv_connector_extra_config, role=transfer.kv_role, engine_id=str(transfer.engine_id),
+            instance_id=str(getattr(vllm_config, "instance_id", "")), tp_size=int(parallel.tensor_parallel_size),
+        )
+        self.load_failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+            self._scheduler = SchedulerSide(self.config, sizes, int(vllm_config.cache_config.block_size), dp_rank)
+        else:
+            self._worker = WorkerSide(self.config, kv_cache_config, tp_rank=_tp_rank(), dp_rank=dp_rank,
+                                      kv_lora_rank=_kv_lora_rank(vllm_config))
+
+    @property
+    def scheduler(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError(f"a scheduler-side method was called on the {self.role.name} connector")
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError(f"a worker-side method was called on the {self.role.name} connector")
+        return self._worker
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Offload and layer-wise push act in every attention layer, which a full CUDA graph would skip."""
+        disagg = extra_config.get("disagg") or {}
+        return extra_config.get("offload") is not None or disagg.get("mode") == "layerwise"
+
+    # -- worker side --------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVPlaneMetadata):
+            raise TypeError(f"expected KVPlaneMetadata from the scheduler, got {type(meta).__name__}")
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self.worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self.worker.get_finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVPlaneStats | None:
+        return KVPlaneStats(data=self.worker.stats()) if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPlaneStats | None:
+        return KVPlaneStats(data=dict(data)) if data is not None else KVPlaneStats()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # -- scheduler side -----------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()

@@ -1,0 +1,103 @@
+"""How the scheduler asks the worker's host tier what it holds, across processes.
+
+vLLM runs the scheduler-side connector in the engine-core process and the worker-side connectors beside the
+KV caches (the same process with one GPU, other processes with TP > 1). ``OffloadEngine.lookup`` lives with
+the caches, so TP rank 0's worker serves it on a ZMQ REP socket (``ipc://``, named after the engine) and the
+scheduler's ``get_num_new_matched_tokens`` asks it. A lookup has no side effects; one that is not answered
+within ``timeout_s`` counts as a miss (0 tokens), so a slow or absent worker costs a recompute, never a hang.
+Ranks store the same blocks in lockstep, so rank 0's answer stands for all; a rank that evicted a block since
+reports it through ``get_block_ids_with_load_errors``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+logger = logging.getLogger("kvplane.vllm")
+Hashes = dict[int, list[int]]
+
+
+def lookup_address(engine_id: str, dp_rank: int = 0) -> str:
+    """The ``ipc://`` address rank 0 of data-parallel rank ``dp_rank`` of engine ``engine_id`` serves on."""
+    return f"ipc://{os.path.join(tempfile.gettempdir(), f'kvplane-lookup-{engine_id}-{dp_rank}.sock')}"
+
+
+def block_hash_int(block_hash: bytes | int) -> int:
+    """vLLM's block hash (bytes, chained over the prefix) as the int64 key kvplane's index uses."""
+    if isinstance(block_hash, int):
+        return block_hash
+    return int.from_bytes(bytes(block_hash)[:8], "little", signed=True)
+
+
+class LookupServer:
+    """Answers lookups on a daemon thread; ``lookup`` is called under ``lock`` (the engine's own lock)."""
+
+    def __init__(self, address: str, lookup: Callable[[Hashes], int], lock: threading.Lock) -> None:
+        self.address = address
+        self._lookup, self._lock = lookup, lock
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvplane-lookup", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        decoder = msgspec.msgpack.Decoder(dict[int, list[int]])
+        while not self._stop.is_set():
+            if not self._socket.poll(100):
+                continue
+            try:
+                hashes = decoder.decode(self._socket.recv())
+                with self._lock:
+                    tokens = self._lookup(hashes)
+            except Exception as e:  # a bad request or a failing lookup is a miss, never a dead server
+                logger.warning("kvplane lookup failed, answering 0 tokens: %s", e)
+                tokens = 0
+            self._socket.send(msgspec.msgpack.encode(tokens))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._socket.close()
+        self._context.term()
+        path = self.address.removeprefix("ipc://")
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+class LookupClient:
+    """The scheduler's end: ``tokens(hashes)`` -> leading tokens the host tier (or store) holds, 0 on timeout."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address, self.timeout_ms = address, int(timeout_s * 1000)
+        self._context = zmq.Context()
+        self._socket = self._connect()
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        sock = self._context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        return sock
+
+    def tokens(self, hashes: Hashes) -> int:
+        self._socket.send(msgspec.msgpack.encode(hashes))
+        if not self._socket.poll(self.timeout_ms):
+            logger.warning("kvplane lookup at %s not answered in %d ms: counting a miss", self.address,
+                           self.timeout_ms)
+            self._socket.close()
+            self._socket = self._connect()  # a REQ socket that missed its reply cannot send again
+            return 0
+        return int(msgspec.msgpack.decode(self._socket.recv()))
+
+    def close(self) -> None:
+        self._socket.close()
+        self._context.term()

@@ -1,0 +1,57 @@
+"""What the scheduler-side connector tells the worker-side connectors for one step.
+
+Plain data (ints, strings, dicts of lists) so vLLM can ship it to worker processes. Block ids and hashes are
+``{group_id: [...]}`` over the kvplane spec's groups (vLLM's KV-cache group indices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvplane.integrations.vllm.compat import KVConnectorMetadata
+
+Groups = dict[int, list[int]]
+
+
+@dataclass
+class BlockJob:
+    """An offload load or store: ``hashes[g][i]`` names the prefix ending in device block ``block_ids[g][i]``."""
+
+    request_id: str
+    hashes: Groups
+    block_ids: Groups
+
+
+@dataclass
+class Receive:
+    """Decode: pull (or register for a push of) the KV the prefill named in ``params`` into ``block_ids``."""
+
+    request_id: str
+    params: dict[str, Any]
+    block_ids: Groups
+    num_tokens: int
+
+
+@dataclass
+class Send:
+    """Prefill: the request's KV is in ``block_ids`` (``num_tokens`` tokens): hold it for decode, or push it.
+
+    ``transfer_id`` names the request to the decode side (``remote_request_id``): in push modes the id without
+    vLLM's random ``-xxxxxxxx`` suffix, which is what a proxy could tell the decode before the prefill ran.
+    """
+
+    request_id: str
+    block_ids: Groups
+    num_tokens: int
+    transfer_id: str = ""
+
+
+@dataclass
+class KVPlaneMetadata(KVConnectorMetadata):
+    loads: list[BlockJob] = field(default_factory=list)
+    stores: list[BlockJob] = field(default_factory=list)
+    receives: list[Receive] = field(default_factory=list)
+    layerwise: list[Send] = field(default_factory=list)  # before this step's forward: pushed layer by layer
+    sends: list[Send] = field(default_factory=list)  # finished: the blocks are the connector's until reported
+    aborts: list[str] = field(default_factory=list)

@@ -1,0 +1,229 @@
+"""The scheduler-side half of the connector: decides what each step loads, stores, receives and sends.
+
+Called by vLLM's scheduler, in this order per request: ``get_num_new_matched_tokens`` (side-effect free: a
+lookup in the worker's host tier, or the token count a remote prefill holds), ``update_state_after_alloc``
+(records the blocks), ``build_connector_meta`` once per step (hands the step's work to the workers),
+``update_connector_output`` (what the workers finished), ``request_finished_all_groups`` (returns
+``kv_transfer_params`` and keeps a prefill's blocks until the workers report them). No vLLM import here:
+requests, blocks and scheduler outputs are read by attribute.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from kvplane.flows.disagg.params import TransferParams
+from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
+from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, lookup_address
+from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
+
+NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+NULL_BLOCK = 0  # vLLM's placeholder block (BlockPool.null_block): sliding-window groups hold it out of the window
+RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)  # vLLM appends it to every external request id
+
+
+class SchedulerSide:
+    def __init__(
+        self, config: ConnectorConfig, group_block_sizes: Sequence[int], hash_block_size: int, dp_rank: int = 0
+    ) -> None:
+        self.config = config
+        self.block_sizes = {g: int(bs) for g, bs in enumerate(group_block_sizes)}
+        self.hash_block_size = hash_block_size
+        for g, bs in self.block_sizes.items():
+            if bs % hash_block_size:
+                raise ConnectorConfigError(
+                    f"KV-cache group {g} has block_size={bs}, not a multiple of the prefix-hash block size "
+                    f"{hash_block_size}; kvplane keys offloaded blocks by vLLM's chained block hashes"
+                )
+        self.step_tokens = math.lcm(*self.block_sizes.values())  # a load covers whole blocks in every group
+        self.lookup = (
+            LookupClient(lookup_address(config.engine_id, dp_rank), config.lookup_timeout_s)
+            if config.offload is not None else None
+        )
+        self._requests: dict[str, Any] = {}
+        self._block_ids: dict[str, Groups] = {}
+        self._stored: dict[str, dict[int, int]] = {}  # blocks per group already handed to a store
+        self._matched: dict[str, int] = {}  # local prefix tokens seen by the last lookup
+        self._int_hashes: dict[tuple[str, int], list[int]] = {}
+        self._layerwise_started: set[str] = set()
+        self._receiving: set[str] = set()
+        self._sending: set[str] = set()
+        self._meta = KVPlaneMetadata()
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _hashes(self, request: Any, group: int) -> list[int]:
+        """The request's chained block hashes at group ``group``'s block size (converted once, then extended)."""
+        k = self.block_sizes[group] // self.hash_block_size
+        known = self._int_hashes.setdefault((request.request_id, group), [])
+        vllm_hashes = request.block_hashes
+        for i in range(len(known) * k + k - 1, len(vllm_hashes), k):
+            known.append(block_hash_int(vllm_hashes[i]))
+        return known
+
+    def _remote_prefill(self, request: Any) -> bool:
+        params = request.kv_transfer_params
+        return self.config.is_decode and bool(params) and bool(params.get("do_remote_prefill"))
+
+    def transfer_id(self, request_id: str) -> str:
+        """The id the decode side knows this request by: in push modes the proxy's (vLLM's suffix stripped)."""
+        return RANDOM_SUFFIX.sub("", request_id) if self.config.mode != "pull" else request_id
+
+    def _blocks_for(self, ids: Groups, num_tokens: int) -> Groups:
+        return {g: v[: -(-num_tokens // self.block_sizes[g])] for g, v in ids.items()}
+
+    # -- vLLM scheduler calls -----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._remote_prefill(request):
+            params = request.kv_transfer_params
+            held = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
+            count = min(held, request.num_prompt_tokens) - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+        if self.lookup is None:
+            return 0, False
+        # never the whole prompt: the last token is computed here to produce the first output
+        limit = (request.num_prompt_tokens - 1) // self.step_tokens * self.step_tokens
+        if limit <= num_computed_tokens:
+            return 0, False
+        hashes = {g: self._hashes(request, g)[: limit // bs] for g, bs in self.block_sizes.items()}
+        hit = min(self.lookup.tokens(hashes), limit) // self.step_tokens * self.step_tokens
+        self._matched[request.request_id] = num_computed_tokens
+        return (hit - num_computed_tokens, False) if hit > num_computed_tokens else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        self._requests[rid] = request
+        ids: Groups = {g: list(v) for g, v in enumerate(blocks.get_block_ids())}
+        if self._remote_prefill(request):
+            params = request.kv_transfer_params
+            params["do_remote_prefill"] = False  # asked once: a second allocation after the load adds blocks only
+            if num_external_tokens > 0:
+                num_tokens = request.num_prompt_tokens if not params.get("remote_num_tokens") else min(
+                    int(params["remote_num_tokens"]), request.num_prompt_tokens)
+                self._meta.receives.append(Receive(rid, dict(params), self._blocks_for(ids, num_tokens), num_tokens))
+                self._receiving.add(rid)
+            return
+        if num_external_tokens > 0 and self.lookup is not None:
+            start = self._matched.pop(rid, 0)
+            end = start + num_external_tokens
+            span = {g: (start // bs, end // bs) for g, bs in self.block_sizes.items()}
+            self._meta.loads.append(_real_blocks(
+                rid,
+                {g: self._hashes(request, g)[a:b] for g, (a, b) in span.items()},
+                {g: ids[g][a:b] for g, (a, b) in span.items()},
+            ))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVPlaneMetadata:
+        for req in scheduler_output.scheduled_new_reqs:
+            self._block_ids[req.req_id] = {g: list(v) for g, v in enumerate(req.block_ids)}
+            self._stored.pop(req.req_id, None)
+            self._after_step(req.req_id, req.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:  # preempted and back: its blocks were replaced
+                self._block_ids[rid] = {g: list(v) for g, v in enumerate(new or ())}
+                self._stored.pop(rid, None)
+            elif new is not None:
+                for g, v in enumerate(new):
+                    self._block_ids.setdefault(rid, {}).setdefault(g, []).extend(v)
+            self._after_step(rid, cached.num_computed_tokens[i], scheduler_output)
+        meta, self._meta = self._meta, KVPlaneMetadata()
+        return meta
+
+    def _after_step(self, rid: str, num_computed: int, scheduler_output: Any) -> None:
+        request = self._requests.get(rid)
+        ids = self._block_ids.get(rid)
+        if request is None or ids is None:
+            return
+        computed = num_computed + int(scheduler_output.num_scheduled_tokens.get(rid, 0))
+        params = request.kv_transfer_params or {}
+        if (self.config.is_prefill and self.config.mode == "layerwise" and params.get("do_remote_decode")
+                and rid not in self._layerwise_started and computed >= request.num_prompt_tokens):
+            self._layerwise_started.add(rid)
+            n = request.num_prompt_tokens
+            self._meta.layerwise.append(Send(rid, self._blocks_for(ids, n), n, self.transfer_id(rid)))
+        if self.config.offload is None:
+            return
+        stored = self._stored.setdefault(rid, {})
+        hashes: Groups = {}
+        block_ids: Groups = {}
+        for g, bs in self.block_sizes.items():
+            group_hashes = self._hashes(request, g)
+            full = min(computed // bs, len(group_hashes), len(ids.get(g, ())))
+            first = stored.get(g, 0)
+            if full > first:
+                hashes[g], block_ids[g] = group_hashes[first:full], ids[g][first:full]
+                stored[g] = full
+        if hashes:
+            self._meta.stores.append(_real_blocks(rid, hashes, block_ids))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in connector_output.finished_sending or ():
+            self._sending.discard(rid)
+        for rid in connector_output.finished_recving or ():
+            self._receiving.discard(rid)
+
+    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        for table in (self._requests, self._block_ids, self._stored, self._matched):
+            table.pop(rid, None)
+        for g in self.block_sizes:
+            self._int_hashes.pop((rid, g), None)
+        started = rid in self._layerwise_started
+        self._layerwise_started.discard(rid)
+        if rid in self._receiving:  # the KV is still arriving: free once nothing can write the blocks
+            self._meta.aborts.append(rid)
+            self._sending.add(rid)
+            return True, None
+        params = request.kv_transfer_params or {}
+        if not (self.config.is_prefill and params.get("do_remote_decode")):
+            return False, None
+        if getattr(request.status, "name", str(request.status)) not in NORMAL_FINISH:
+            if started:  # layer-wise pushes may be under way: the worker drains them before reporting
+                self._meta.aborts.append(rid)
+                self._sending.add(rid)
+                return True, None
+            return False, None
+        num_tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
+        ids = self._blocks_for({g: list(v) for g, v in enumerate(block_ids)}, num_tokens)
+        if num_tokens < 1 or not any(ids.values()):
+            return False, None
+        self._meta.sends.append(Send(rid, ids, num_tokens, self.transfer_id(rid)))
+        self._sending.add(rid)
+        return True, self.transfer_params(self.transfer_id(rid), ids, num_tokens)
+
+    def transfer_params(self, rid: str, ids: Groups, num_tokens: int) -> dict[str, Any]:
+        """What ``PrefillSide.request_finished`` would return, built here where vLLM needs it (see docs/vllm.md)."""
+        return TransferParams(
+            remote_engine_id=self.config.engine_id,
+            remote_request_id=rid,
+            remote_block_ids=[ids[g] for g in sorted(ids)],
+            remote_host=self.config.host,
+            remote_port=self.config.port,
+            tp_size=self.config.tp_size,
+            remote_block_size=self.block_sizes[0],
+            remote_num_tokens=num_tokens,
+            remote_boot_id=self.config.boot_id,
+            kvplane_mode=self.config.mode,  # type: ignore[arg-type]
+        ).to_dict()
+
+    def has_pending_push_work(self) -> bool:
+        return self.config.mode in ("push", "layerwise") and bool(self._sending)
+
+    def shutdown(self) -> None:
+        if self.lookup is not None:
+            self.lookup.close()
+
+
+def _real_blocks(request_id: str, hashes: Groups, block_ids: Groups) -> BlockJob:
+    """The job without vLLM's null block: nothing to load into it, and storing it would key garbage by a real
+    prefix hash (a sliding-window group's out-of-window positions)."""
+    keep = {g: [i for i, b in enumerate(ids) if b != NULL_BLOCK] for g, ids in block_ids.items()}
+    return BlockJob(
+        request_id,
+        {g: [hashes[g][i] for i in idx] for g, idx in keep.items()},
+        {g: [block_ids[g][i] for i in idx] for g, idx in keep.items()},
+    )

@@ -1,0 +1,212 @@
+"""The worker-side half of the connector: runs each step's work on this rank's KV caches.
+
+Called by vLLM's model runner, in this order: ``register_kv_caches`` once; per step ``start_load_kv`` (with the
+step's ``KVPlaneMetadata``), ``wait_for_layer_load`` / ``save_kv_layer`` in every attention layer,
+``wait_for_save`` after the forward, ``get_finished`` and ``get_block_ids_with_load_errors``; ``shutdown``.
+It drives up to three kvplane flows over the same caches: the ``OffloadEngine`` (host tier, serving the
+scheduler's lookups from rank 0), a ``PrefillSide`` and a ``DecodeSide``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from kvplane.backend.base import Backend
+from kvplane.errors import KvplaneError
+from kvplane.flows.disagg import Completion, DecodeSide, PrefillSide
+from kvplane.flows.offload import OffloadEngine
+from kvplane.integrations.vllm.config import ConnectorConfig
+from kvplane.integrations.vllm.device import select_backend
+from kvplane.integrations.vllm.lookup import LookupServer, lookup_address
+from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Receive, Send
+from kvplane.integrations.vllm.spec import layouts_for, spec_from_vllm
+from kvplane.kv.layouts import LayerValue
+from kvplane.kv.spec import KVSpec
+
+logger = logging.getLogger("kvplane.vllm")
+
+
+class WorkerSide:
+    def __init__(
+        self, config: ConnectorConfig, kv_cache_config: Any, backend: Backend | None = None, *, tp_rank: int = 0,
+        dp_rank: int = 0, kv_lora_rank: int | None = None,
+    ) -> None:
+        self.config, self.kv_cache_config, self.backend = config, kv_cache_config, backend
+        self.tp_rank, self.dp_rank, self.kv_lora_rank = tp_rank, dp_rank, kv_lora_rank
+        self.spec: KVSpec | None = None
+        self.offload: OffloadEngine | None = None
+        self.prefill: PrefillSide | None = None
+        self.decode: DecodeSide | None = None
+        self.lookup_server: LookupServer | None = None
+        self._lock = threading.Lock()  # the offload engine is single-threaded; the lookup server shares it
+        self._load_errors: set[int] = set()
+        self._aborted_receives: set[str] = set()
+        self._failed_receives: list[Completion] = []
+        self._by_transfer_id: dict[str, str] = {}  # prefill: the id decode knows -> vLLM's request id
+        self._pushing_layers = False  # this step's forward completes a layer-wise request's prompt
+        self.counters = {"loads": 0, "stores": 0, "receives": 0, "sends": 0, "failed_receives": 0,
+                         "load_error_blocks": 0}
+
+    # -- setup --------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, LayerValue]) -> None:
+        """Bind the flows to vLLM's tensors: one tensor per layer (CUDA) or a tuple (Ascend's k/v, nope/rope)."""
+        self.spec = spec_from_vllm(self.kv_cache_config, list(kv_caches), kv_lora_rank=self.kv_lora_rank)
+        backend = self.backend = self.backend or select_backend(self.config.device, kv_caches)
+        layouts = layouts_for(backend.layouts, self.config.layouts)
+        if self.config.offload is not None:
+            self.offload = OffloadEngine(backend, self.spec, kv_caches, self.config.offload, layouts=layouts,
+                                         tp_rank=self.tp_rank, tp_size=self.config.tp_size)
+            if self.tp_rank == 0:
+                self.lookup_server = LookupServer(
+                    lookup_address(self.config.engine_id, self.dp_rank), self.offload.lookup, self._lock
+                )
+        if self.config.is_prefill:
+            self.prefill = PrefillSide(backend, self.spec, kv_caches, self.config.disagg_for(self.tp_rank),
+                                       layouts=layouts)
+        if self.config.is_decode:
+            self.decode = DecodeSide(backend, self.spec, kv_caches, self.config.disagg_for(self.tp_rank),
+                                     layouts=layouts)
+
+    # -- per step -----------------------------------------------------------------------------------------
+    def start_load_kv(self, meta: KVPlaneMetadata) -> None:
+        for rid in meta.aborts:
+            self._abort(rid)
+        if self.offload is not None and (meta.loads or meta.stores):
+            with self._lock:
+                self._offload(self.offload, meta)
+        for receive in meta.receives:
+            self._receive(receive)
+        self._pushing_layers = bool(meta.layerwise)
+        if self.prefill is not None:
+            for send in meta.layerwise:
+                self.prefill.start_request(self._transfer_id(send), send.block_ids, send.num_tokens)
+            for send in meta.sends:
+                self.prefill.request_finished(self._transfer_id(send), send.block_ids, send.num_tokens)
+                self.counters["sends"] += 1
+
+    def _transfer_id(self, send: Send) -> str:
+        tid = send.transfer_id or send.request_id
+        self._by_transfer_id[tid] = send.request_id
+        return tid
+
+    def _offload(self, offload: OffloadEngine, meta: KVPlaneMetadata) -> None:
+        """Loads, then stores; a load kvplane refuses fails its blocks, a refused store is skipped (a later miss)."""
+        if meta.loads:
+            try:
+                offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads])
+                self.counters["loads"] += len(meta.loads)
+            except KvplaneError as e:
+                logger.warning("kvplane: offload loads refused, their blocks will be recomputed: %s", e)
+                self._load_errors.update(b for j in meta.loads for ids in j.block_ids.values() for b in ids)
+        for job in meta.stores:
+            try:
+                offload.start_store(job.request_id, job.hashes, job.block_ids)
+                self.counters["stores"] += 1
+            except KvplaneError as e:
+                logger.warning("kvplane: store of request %s skipped: %s", job.request_id, e)
+
+    def _receive(self, r: Receive) -> None:
+        if self.decode is None:
+            raise KvplaneError(
+                f"request {r.request_id!r} asks to receive KV but this instance has no decode side; set kv_role "
+                f"to kv_consumer or kv_both and give kv_connector_extra_config a 'disagg' section"
+            )
+        mode = r.params.get("kvplane_mode", self.config.mode)
+        try:
+            if mode == "pull":
+                self.decode.start_pull(r.request_id, r.params, r.block_ids, r.num_tokens)
+            else:
+                self.decode.register_push(r.request_id, r.params, r.block_ids, r.num_tokens)
+            self.counters["receives"] += 1
+        except KvplaneError as e:  # malformed params: the request recomputes (or fails) by vLLM's policy
+            logger.warning("kvplane: request %s cannot receive KV: %s", r.request_id, e)
+            failed = {g: tuple(ids) for g, ids in r.block_ids.items()}
+            self._failed_receives.append(Completion(r.request_id, "failed", failed, str(e)))
+
+    def _abort(self, rid: str) -> None:
+        if self.offload is not None:
+            with self._lock:
+                self.offload.abort(rid)
+        if self.prefill is not None:
+            tid = next((t for t, r in self._by_transfer_id.items() if r == rid), rid)
+            self.prefill.abort(tid)
+        if self.decode is not None:
+            self._aborted_receives.add(rid)
+            self.decode.abort(rid)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.offload is not None:
+            with self._lock:
+                self.offload.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self.offload is not None:
+            with self._lock:
+                self.offload.save_layer(layer_name)
+        if self.prefill is not None and self._pushing_layers:  # other steps have no layer to push
+            self.prefill.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self.offload is not None:
+            with self._lock:
+                self.offload.wait_for_save()
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(sent or drained after an abort, received) request ids; failures also fill the load errors."""
+        sending: set[str] = set()
+        recving: set[str] = set()
+        if self.offload is not None:
+            with self._lock:
+                self.offload.get_finished()  # loads and stores finish within their step (wait_for_*)
+        if self.prefill is not None:
+            sending.update(self._by_transfer_id.pop(c.request_id, c.request_id) for c in self.prefill.get_finished())
+        completions = list(self._failed_receives)
+        self._failed_receives.clear()
+        if self.decode is not None:
+            completions.extend(self.decode.get_finished())
+        for c in completions:
+            if not c.ok:
+                self.counters["failed_receives"] += 1
+                self._load_errors.update(c.all_failed_block_ids())
+                logger.warning("kvplane: request %s ended %s: %s", c.request_id, c.state, c.reason)
+            if c.request_id in self._aborted_receives:
+                self._aborted_receives.discard(c.request_id)
+                sending.add(c.request_id)  # vLLM was told to wait for it as a delayed free
+            else:
+                recving.add(c.request_id)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        if self.offload is not None:
+            with self._lock:
+                errors |= self.offload.get_block_ids_with_load_errors()
+        self.counters["load_error_blocks"] += len(errors)
+        return errors
+
+    def stats(self) -> dict[str, int]:
+        """The counters since the last call (vLLM sums them over workers and intervals)."""
+        out, self.counters = self.counters, dict.fromkeys(self.counters, 0)
+        return out
+
+    def host_blocks_in_use(self) -> int:
+        if self.offload is None:
+            return 0
+        with self._lock:
+            return self.offload.host_blocks_in_use()
+
+    def shutdown(self) -> None:
+        if self.lookup_server is not None:
+            self.lookup_server.close()
+            self.lookup_server = None
+        for side in (self.prefill, self.decode):
+            if side is not None:
+                side.close()
+        self.prefill = self.decode = None
+        if self.offload is not None:
+            with self._lock:
+                self.offload.close()
+            self.offload = None

@@ -1,0 +1,205 @@
+"""vLLM's real ``Scheduler`` driving ``KVPlaneConnector``: only the model runner is played here.
+
+``RealEngine`` builds a real ``VllmConfig`` (a tiny Llama config on disk, no weights, no tokenizer, cpu device),
+vLLM's ``Scheduler`` (which creates the scheduler-side connector itself, through ``KVConnectorFactory`` and the
+module path) and a worker-side connector over paged tensors. ``step`` is one engine step: ``schedule()``, the
+worker's connector calls around a fake forward that writes ``MiniEngine.kv_value`` for every scheduled token,
+then ``update_from_output``; so async loads (``WAITING_FOR_REMOTE_KVS``), delayed frees, invalid blocks and
+``kv_load_failure_policy`` are handled by vLLM's own code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from minivllm import HEAD_DIM, HEADS, MiniEngine
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+init_none_hash(sha256)
+BLOCK = 16
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": HEADS, "num_hidden_layers": len(LAYERS), "vocab_size": 1000,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float32", "eos_token_id": 2,
+    "bos_token_id": 1,
+}
+
+
+def tiny_model_dir(root: Path) -> str:
+    path = root / "tiny-llama"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(path)
+
+
+def reference_digest(tokens: list[int], num_tokens: int, window: int = 0) -> str:
+    """``RealEngine.digest`` of a cache that computed ``tokens`` itself."""
+    h = hashlib.sha256()
+    for li in range(len(LAYERS)):
+        for p in range(num_tokens):
+            if li and window and p < num_tokens - window:
+                continue
+            value = MiniEngine.kv_value(tokens[p], p, li)
+            h.update(value.numpy().tobytes())
+            h.update((-value).numpy().tobytes())
+    return h.hexdigest()
+
+
+class RealEngine:
+    def __init__(self, model_dir: str, extra: dict[str, Any], kv_role: str = "kv_both", *,
+                 policy: str = "recompute", num_blocks: int = 64, engine_id: str | None = None,
+                 max_batched_tokens: int = 512, prefix_caching: bool = False, sliding_window: int = 0) -> None:
+        """``sliding_window`` > 0: a hybrid model, layer 0 full attention, layer 1 a sliding window of that many
+        tokens, in two KV-cache groups (vLLM's hybrid allocator, ``request_finished_all_groups``)."""
+        transfer = KVTransferConfig(
+            kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm", kv_role=kv_role,
+            kv_connector_extra_config=extra, kv_load_failure_policy=policy,
+            engine_id=engine_id or f"real-{uuid.uuid4().hex[:8]}",
+        )
+        self.config = VllmConfig(
+            model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", seed=0,
+                                     max_model_len=1024),
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched_tokens, max_model_len=1024,
+                                             enable_chunked_prefill=True, is_encoder_decoder=False),
+            # vLLM's own prefix cache off by default: a repeated prefix must come from kvplane's host tier
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
+            kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
+        )
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+        if sliding_window:
+            window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32,
+                                       sliding_window=sliding_window)
+            groups = [KVCacheGroupSpec([LAYERS[0]], spec), KVCacheGroupSpec([LAYERS[1]], window)]
+        else:
+            groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+        self.group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        self.window = sliding_window
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        # vLLM's order: workers (and their KV caches) first, then the engine core's scheduler
+        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
+        self.caches = {name: torch.zeros((2, num_blocks, BLOCK, HEADS, HEAD_DIM)) for name in LAYERS}
+        self.worker.register_kv_caches(self.caches)
+        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
+                                   structured_output_manager=StructuredOutputManager(self.config), block_size=BLOCK)
+        self.num_blocks = num_blocks
+        self.tables: dict[str, list[list[int]]] = {}  # per request, per KV-cache group
+        self.outputs: dict[str, Any] = {}  # request id -> its final EngineCoreOutput
+        self.invalid: set[int] = set()
+        self.digests: dict[str, str] = {}
+        self.first_computed: dict[str, int] = {}  # the first token this instance computed, per request
+        self.starts: dict[str, list[int]] = {}  # the first token of every forward a request was in
+
+    def add(self, request_id: str, prompt: list[int], params: dict[str, Any] | None = None, max_tokens: int = 1) -> None:
+        extra = {"kv_transfer_params": params} if params is not None else None
+        self.scheduler.add_request(Request(
+            request_id, list(prompt), SamplingParams(max_tokens=max_tokens, extra_args=extra), None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        ))
+
+    def step(self) -> None:
+        so = self.scheduler.schedule()
+        for new in so.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(g) for g in new.block_ids]
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                self.tables[rid] = [list(g) for g in blocks] if blocks else []
+            elif blocks:
+                for table, more in zip(self.tables[rid], blocks):
+                    table.extend(more)
+        self.worker.bind_connector_metadata(so.kv_connector_metadata)
+        self.worker.start_load_kv(None)
+        spans = []
+        for new in so.scheduled_new_reqs:
+            spans.append((new.req_id, new.num_computed_tokens))
+        for i, rid in enumerate(cached.req_ids):
+            spans.append((rid, cached.num_computed_tokens[i]))
+        if so.total_num_scheduled_tokens:
+            for li, name in enumerate(LAYERS):
+                self.worker.wait_for_layer_load(name)
+                for rid, start in spans:
+                    tokens = self.scheduler.requests[rid].all_token_ids
+                    for p in range(start, start + so.num_scheduled_tokens[rid]):
+                        value = MiniEngine.kv_value(tokens[p], p, li)
+                        block = self.tables[rid][self.group_of[name]][p // BLOCK]
+                        self.caches[name][0, block, p % BLOCK] = value
+                        self.caches[name][1, block, p % BLOCK] = -value
+                self.worker.save_kv_layer(name, self.caches[name], None)
+            self.worker.wait_for_save()
+        for rid, start in spans:  # the request's KV as it stands after this forward
+            self.first_computed.setdefault(rid, start)
+            self.starts.setdefault(rid, []).append(start)
+            n = start + so.num_scheduled_tokens[rid]
+            self.digests[rid] = self.digest(rid, n)
+        sending, recving = self.worker.get_finished(so.finished_req_ids)
+        invalid = self.worker.get_block_ids_with_load_errors()
+        self.invalid |= invalid
+        self.worker.clear_connector_metadata()
+        req_ids = [rid for rid, _ in spans]
+        output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[  # a chunk that leaves part of the prompt for later samples nothing
+                [7] if start + so.num_scheduled_tokens[rid] >= self.scheduler.requests[rid].num_prompt_tokens else []
+                for rid, start in spans
+            ],
+            kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                                  invalid_block_ids=invalid),
+        )
+        for engine_outputs in self.scheduler.update_from_output(so, output).values():
+            for out in engine_outputs.outputs:
+                if out.finish_reason is not None:
+                    self.outputs[out.request_id] = out
+
+    def digest(self, rid: str, num_tokens: int) -> str:
+        tokens = self.scheduler.requests[rid].all_token_ids if rid in self.scheduler.requests else []
+        h = hashlib.sha256()
+        for name in LAYERS:
+            for p in range(min(num_tokens, len(tokens))):
+                if self.group_of[name] and p < num_tokens - self.window:
+                    continue  # out of the window: vLLM freed that block, nothing reads it
+                block = self.tables[rid][self.group_of[name]][p // BLOCK]
+                h.update(self.caches[name][0, block, p % BLOCK].numpy().tobytes())
+                h.update(self.caches[name][1, block, p % BLOCK].numpy().tobytes())
+        return h.hexdigest()
+
+    def run_until(self, done: Any, within_s: float = 30.0) -> None:
+        end = time.monotonic() + within_s
+        while not done():
+            if time.monotonic() > end:
+                raise AssertionError(f"not done within {within_s} s; waiting: {len(self.scheduler.waiting)}, "
+                                     f"running: {len(self.scheduler.running)}")
+            self.step()
+            time.sleep(0.002)
+
+    def finish(self, request_id: str, within_s: float = 30.0) -> Any:
+        self.run_until(lambda: request_id in self.outputs, within_s)
+        return self.outputs[request_id]
+
+    def drain(self, within_s: float = 30.0) -> None:
+        """Step until the scheduler holds nothing (delayed frees included)."""
+        self.run_until(lambda: not self.scheduler.has_requests() and
+                       self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == self.num_blocks - 1,
+                       within_s)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()

@@ -1,0 +1,53 @@
+"""Tensor parallelism through the connector: one worker connector per TP rank (each holding its share of the
+heads), vLLM's rule that a request is finished once every rank reported it, rank r's side channel on port + r."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
+
+from minivllm import MiniEngine  # noqa: E402
+
+PROMPT = [(i * 41 + 7) % 977 for i in range(90)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_decode_pulls_every_heads_share_from_the_prefill_ranks(prefill_tp: int, decode_tp: int) -> None:
+    disagg = {"mode": "pull", "lease_s": 10.0, "heartbeat_s": 0.5}
+    port = free_port()
+    prefill = MiniEngine({"disagg": {**disagg, "port": port}}, "kv_producer", tp_size=prefill_tp)
+    decode = MiniEngine({"disagg": {**disagg, "port": free_port()}}, "kv_consumer", tp_size=decode_tp)
+    try:
+        assert [w._worker.prefill.port for w in prefill.workers] == [port + r for r in range(prefill_tp)]
+        done = prefill.run("p-1", PROMPT, {"do_remote_decode": True})
+        assert done.kv_transfer_params["tp_size"] == prefill_tp
+        received = decode.run("d-1", PROMPT, done.kv_transfer_params)
+        prefill.pump("p-1")
+        assert received.external_tokens == len(PROMPT) and not received.load_errors
+        assert received.digest == done.digest == decode.reference_digest(PROMPT, len(PROMPT))
+        assert prefill.whole and decode.whole
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_offload_with_two_ranks_looks_up_rank_0_and_loads_on_both() -> None:
+    engine = MiniEngine({"offload": {"host_bytes": 4 << 20, "pinned": False}}, tp_size=2)
+    try:
+        assert engine.workers[0]._worker.lookup_server is not None
+        assert engine.workers[1]._worker.lookup_server is None
+        engine.run("a", PROMPT)
+        again = engine.run("b", PROMPT)
+        assert again.external_tokens == 80 and not again.load_errors
+        assert again.digest == engine.reference_digest(PROMPT, len(PROMPT)) and engine.whole
+    finally:
+        engine.shutdown()
