@@ -73,7 +73,8 @@ def test_pull_survives_prefill_crash_without_leaking_blocks(worker: FramedProces
             worker.kill()
         decode.side.start_pull("big", params, ids)
         if moment == "during_read":
-            wait_until(lambda: decode.side.transfers_in_flight() > 0, 15, "the READ starting")
+            wait_until(lambda: decode.side.transfers_in_flight() > 0 or "big" in decode.collect(), 15,
+                       "the READ starting")
             worker.kill()
         start = time.monotonic()
         done = decode.wait("big", FAILURE_BOUND_S)
@@ -109,7 +110,8 @@ def test_push_survives_decode_crash_without_leaking_blocks(worker: FramedProcess
             worker.kill()
         prefill.side.request_finished("big", ids, BIG_TOKENS)
         if moment == "during_write":
-            wait_until(lambda: prefill.side.transfers_in_flight() > 0, 15, "the WRITE starting")
+            wait_until(lambda: prefill.side.transfers_in_flight() > 0 or "big" in prefill.collect(), 15,
+                       "the WRITE starting")
             worker.kill()
         start = time.monotonic()
         done = prefill.wait("big", FAILURE_BOUND_S)
@@ -254,15 +256,21 @@ def test_an_abort_during_a_pull_holds_the_blocks_until_the_read_has_drained(engi
     prefill = make("prefill", BIG, num_blocks=BIG_BLOCKS, seed=9, engine=engine)
     decode = make("decode", BIG, num_blocks=BIG_BLOCKS, engine=engine)
     try:
-        params = prefill.side.request_finished("r", prefill.allocate(BIG_TOKENS), BIG_TOKENS)
+        p_ids = prefill.allocate(BIG_TOKENS)
+        params = prefill.side.request_finished("r", p_ids, BIG_TOKENS)
         ids = decode.allocate(BIG_TOKENS)
         decode.side.start_pull("r", params, ids)
-        wait_until(lambda: decode.side.transfers_in_flight() > 0, 15, "the READ starting")
+        wait_until(lambda: decode.side.transfers_in_flight() > 0 or "r" in decode.collect(), 15, "the READ starting")
         decode.side.abort("r")
         done = decode.wait("r")
-        assert done.state == "failed" and "aborted" in done.reason
         assert decode.side.transfers_in_flight() == 0  # reported only once nothing can write the blocks
-        assert prefill.wait("r").state == "failed"  # told, so it frees its blocks without waiting for the lease
+        if done.state == "done":  # the READ beat the abort to the I/O loop (NIXL on loopback can): then it is whole
+            assert digest(BIG, decode.cache, "gqa_fused", {0: ids}, BIG_TOKENS) == \
+                digest(BIG, prefill.cache, "gqa_fused", {0: p_ids}, BIG_TOKENS)
+            assert prefill.wait("r").state == "done"
+        else:
+            assert done.state == "failed" and "aborted" in done.reason, done
+            assert prefill.wait("r").state == "failed"  # told, so it frees its blocks without waiting for the lease
     finally:
         decode.close()
         prefill.close()
