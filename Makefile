@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(VENV)/bin/kvplane bench
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvplane backends tests
+	$(VENV)/bin/ruff check kvplane backends tests examples
 	$(VENV)/bin/mypy
 
 clean:
