@@ -7,9 +7,10 @@ A frozen dataclass checked on construction; ``from_dict`` takes the JSON-ish dic
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvplane.flows.config_keys import check_keys
 from kvplane.flows.disagg.errors import DisaggConfigError
 
 Mode = Literal["pull", "push", "layerwise"]
@@ -85,8 +86,5 @@ class DisaggConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> DisaggConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise DisaggConfigError(f"disaggregation config has unknown key(s) {unknown}; known: {sorted(known)}")
+        check_keys(cls, raw, "disaggregation config", DisaggConfigError)
         return cls(**raw)

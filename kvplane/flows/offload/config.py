@@ -8,9 +8,10 @@ field, the value and the fix. ``OffloadConfig.from_dict`` takes the JSON-ish dic
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
+from kvplane.flows.config_keys import check_keys
 from kvplane.flows.offload.errors import OffloadConfigError
 
 MiB = 1 << 20
@@ -83,16 +84,10 @@ class OffloadConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> OffloadConfig:
         """Build from plain data: ``{"host_bytes": ..., "store": {"master_address": ..., ...}}``."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise OffloadConfigError(f"offload config has unknown key(s) {unknown}; known: {sorted(known)}")
+        check_keys(cls, raw, "offload config", OffloadConfigError)
         store_raw = raw.get("store")
         store = None
         if store_raw is not None:
-            store_known = {f.name for f in fields(StoreConfig)}
-            bad = sorted(set(store_raw) - store_known)
-            if bad:
-                raise OffloadConfigError(f"store config has unknown key(s) {bad}; known: {sorted(store_known)}")
+            check_keys(StoreConfig, store_raw, "store config", OffloadConfigError)
             store = StoreConfig(**store_raw)
         return cls(**{**raw, "store": store})
