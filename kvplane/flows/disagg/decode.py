@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -50,54 +49,16 @@ from kvplane.flows.disagg.messages import (
 )
 from kvplane.flows.disagg.outbox import Outbox
 from kvplane.flows.disagg.params import TransferParams
-from kvplane.flows.disagg.peers import PeerRecord, check_peer
+from kvplane.flows.disagg.peers import check_peer
+from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.results import Completion, State
 from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
-from kvplane.plan.planner import TransferPlan
 from kvplane.plan.relayout import apply_relayout
 
 logger = logging.getLogger("kvplane.disagg")
-
-
-@dataclass
-class Conn:
-    """The side channel to one prefill rank, and what its handshake told us."""
-
-    host: str
-    port: int
-    rank: int
-    socket: zmq.Socket[bytes]
-    started: float
-    state: str = "handshaking"  # -> "ready" | "failed"
-    record: PeerRecord | None = None
-    error: str = ""
-    waiting: set[str] = field(default_factory=set)
-    stages: dict[tuple[str, ...], bool] = field(default_factory=dict)
-
-
-@dataclass
-class Want:
-    """One request this rank is receiving KV for."""
-
-    request_id: str
-    params: TransferParams
-    block_ids: dict[int, Ids]
-    remote_ids: dict[int, Ids]
-    num_tokens: int
-    mode: str  # "pull" or "push"
-    deadline: float
-    conns: list[Conn] = field(default_factory=list)
-    phase: str = "connect"  # -> "move" -> "drain"
-    pending: set[int] = field(default_factory=set)  # prefill ranks still moving bytes
-    staged: list[tuple[int, int, TransferPlan]] = field(default_factory=list)  # (offset, bytes, plan)
-    waiting_staging: bool = False
-    state: State | None = None  # set once the outcome is decided (the request ends when nothing moves)
-    reason: str = ""
-    aborted: bool = False
-    drain_deadline: float = 0.0
 
 
 class DecodeSide:

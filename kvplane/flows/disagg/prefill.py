@@ -23,7 +23,6 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -50,6 +49,7 @@ from kvplane.flows.disagg.messages import (
 from kvplane.flows.disagg.outbox import Outbox
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord, check_peer
+from kvplane.flows.disagg.records import Held, Target
 from kvplane.flows.disagg.results import Completion, State
 from kvplane.flows.disagg.routes import layers_by_source, route_plan
 from kvplane.kv.binding import LayoutChoice
@@ -60,37 +60,6 @@ from kvplane.plan.planner import TransferPlan
 
 logger = logging.getLogger("kvplane.disagg")
 REMEMBERED = 10_000  # released request ids kept to answer late messages about them
-
-
-@dataclass
-class Target:
-    """One decode rank a push goes to: its registration, the layers this rank owes it, how far writing got."""
-
-    peer: PeerRecord
-    register: PushRegister
-    layers: list[str]
-    plans: dict[str, CopyPlan] | None = None
-    sent: set[str] = field(default_factory=set)
-    inflight: int = 0
-    error: str = ""
-    cancelled: bool = False
-    reported: bool = False
-
-
-@dataclass
-class Held:
-    request_id: str
-    block_ids: dict[int, Ids] | None = None
-    num_tokens: int = 0
-    known: bool = False  # the engine handed it over (start_request or request_finished)
-    finished: bool = False
-    aborted: bool = False
-    deadline: float = float("inf")
-    readers: dict[tuple[str, int], bool] = field(default_factory=dict)
-    reader_tp: int = 0
-    targets: dict[tuple[str, int], Target] = field(default_factory=dict)
-    target_tp: int = 0
-    saved: set[str] = field(default_factory=set)
 
 
 class PrefillSide:

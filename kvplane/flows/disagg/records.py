@@ -1,0 +1,87 @@
+"""What each side keeps per peer and per request while KV moves: the decode side's connections to prefill ranks
+(``Conn``) and requests it receives (``Want``); the prefill side's requests it holds (``Held``) and the decode
+ranks each one is pushed to (``Target``). Plain records: ``decode.py`` and ``prefill.py`` own their changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvplane.blocks.groups import Ids
+from kvplane.flows.disagg.messages import PushRegister
+from kvplane.flows.disagg.params import TransferParams
+from kvplane.flows.disagg.peers import PeerRecord
+from kvplane.flows.disagg.results import State
+from kvplane.plan.descriptors import CopyPlan
+from kvplane.plan.planner import TransferPlan
+
+
+@dataclass
+class Conn:
+    """The side channel to one prefill rank, and what its handshake told us."""
+
+    host: str
+    port: int
+    rank: int
+    socket: zmq.Socket[bytes]
+    started: float
+    state: str = "handshaking"  # -> "ready" | "failed"
+    record: PeerRecord | None = None
+    error: str = ""
+    waiting: set[str] = field(default_factory=set)
+    stages: dict[tuple[str, ...], bool] = field(default_factory=dict)
+
+
+@dataclass
+class Want:
+    """One request this rank is receiving KV for."""
+
+    request_id: str
+    params: TransferParams
+    block_ids: dict[int, Ids]
+    remote_ids: dict[int, Ids]
+    num_tokens: int
+    mode: str  # "pull" or "push"
+    deadline: float
+    conns: list[Conn] = field(default_factory=list)
+    phase: str = "connect"  # -> "move" -> "drain"
+    pending: set[int] = field(default_factory=set)  # prefill ranks still moving bytes
+    staged: list[tuple[int, int, TransferPlan]] = field(default_factory=list)  # (offset, bytes, plan)
+    waiting_staging: bool = False
+    state: State | None = None  # set once the outcome is decided (the request ends when nothing moves)
+    reason: str = ""
+    aborted: bool = False
+    drain_deadline: float = 0.0
+
+
+@dataclass
+class Target:
+    """One decode rank a push goes to: its registration, the layers this rank owes it, how far writing got."""
+
+    peer: PeerRecord
+    register: PushRegister
+    layers: list[str]
+    plans: dict[str, CopyPlan] | None = None
+    sent: set[str] = field(default_factory=set)
+    inflight: int = 0
+    error: str = ""
+    cancelled: bool = False
+    reported: bool = False
+
+
+@dataclass
+class Held:
+    request_id: str
+    block_ids: dict[int, Ids] | None = None
+    num_tokens: int = 0
+    known: bool = False  # the engine handed it over (start_request or request_finished)
+    finished: bool = False
+    aborted: bool = False
+    deadline: float = float("inf")
+    readers: dict[tuple[str, int], bool] = field(default_factory=dict)
+    reader_tp: int = 0
+    targets: dict[tuple[str, int], Target] = field(default_factory=dict)
+    target_tp: int = 0
+    saved: set[str] = field(default_factory=set)
