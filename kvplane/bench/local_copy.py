@@ -101,7 +101,7 @@ def run_local_copy(backend: Backend, model: str, direction: str, block_tokens: i
         event.synchronize()
 
     ours()
-    verified = _same_blocks(spec, caches[src_side], src_ids, caches[dst_side], dst_ids, layouts)
+    verified = same_blocks(spec, caches[src_side], src_ids, caches[dst_side], dst_ids, layouts)
     nbytes = plan.total_bytes
     src_flat, dst_flat = (bufs.flat_src, bufs.flat_dst) if direction == "d2h" else (bufs.flat_dst, bufs.flat_src)
 
@@ -132,7 +132,7 @@ def run_local_copy(backend: Backend, model: str, direction: str, block_tokens: i
     )
 
 
-def _same_blocks(
+def same_blocks(
     spec: KVSpec,
     src: dict[str, LayerValue],
     src_ids: npt.NDArray[np.int64],

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.backend.base import Backend
-from kvplane.bench.local_copy import _same_blocks
+from kvplane.bench.local_copy import same_blocks
 from kvplane.bench.models import MODELS, model_spec
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenarios import Scenario, register
@@ -163,7 +163,7 @@ def _verify(rig: OffloadRig, hashes: list[int], new_id: Callable[[], str]) -> bo
     tokens = load_once(rig, new_id(), hashes)
     if tokens != len(hashes) * BLOCK_TOKENS:
         return False
-    return _same_blocks(rig.spec, rig.cache, rig.src_ids, rig.cache, rig.dst_ids, rig.engine.backend.layouts)
+    return same_blocks(rig.spec, rig.cache, rig.src_ids, rig.cache, rig.dst_ids, rig.engine.backend.layouts)
 
 
 _held: list[tuple[tuple[str, str, int], OffloadRig]] = []  # the last model's rig: store and load share it

@@ -25,7 +25,7 @@ import statistics
 from typing import Any
 
 from kvplane.backend.base import Backend
-from kvplane.bench.local_copy import _same_blocks
+from kvplane.bench.local_copy import same_blocks
 from kvplane.bench.models import MODELS, model_spec
 from kvplane.bench.offload import BLOCK_TOKENS, OffloadRig, build_rig, load_once, store_once
 from kvplane.bench.results import BenchResult, make_result
@@ -180,7 +180,7 @@ def run_get(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]
         verified = verified and tokens[0] == len(load_hashes) * BLOCK_TOKENS
         if rep == 0:
             rig = s.rig
-            verified = verified and _same_blocks(
+            verified = verified and same_blocks(
                 rig.spec, rig.cache, rig.src_ids, rig.cache, rig.dst_ids, engine.backend.layouts
             )
         s.remove(keys + load_keys)
