@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvplane.backend.base import DIRECTIONS, Backend, Direction, Event, Probe, Stream
 from kvplane.backend.probing import probe_device_package
 from kvplane.backend.vendor_copy import CopyFunction, copy_error, enqueue, load_copy_function
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.testing.emulated import Emulation, emulation_requested, install_emulated, probe_emulated
 
 if TYPE_CHECKING:

@@ -12,9 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, get_args
 
+from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import BackendError, PlanError
-from kvplane.kv.regions import Region
-from kvplane.plan.descriptors import CopyPlan
 
 if TYPE_CHECKING:
     import torch

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
-from kvplane.plan.descriptors import CopyPlan
 
 SIGNATURES = ("cuda", "acl", "cnrt", "cuda_batch12", "cuda_batch13")
 BATCHED = frozenset({"cuda_batch12", "cuda_batch13"})

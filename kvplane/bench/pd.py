@@ -21,8 +21,8 @@ from kvplane.bench.peer import CacheConfig, KVBuffer, PeerConfig, PeerProcess
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenarios import Scenario, register
 from kvplane.bench.timing import alternate
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransferFailed, TransferTimeout
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.plan.planner import plan_transfer
 from kvplane.transports.base import Op, Transport, TransportConfig
 from kvplane.transports.registry import get_transport_class

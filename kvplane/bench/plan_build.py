@@ -14,8 +14,8 @@ from kvplane.bench.models import model_spec
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenarios import Scenario, register
 from kvplane.bench.timing import alternate
+from kvplane.descriptors import Region
 from kvplane.kv.manifest import Manifest
-from kvplane.kv.regions import Region
 from kvplane.kv.spec import KVSpec
 from kvplane.plan.planner import I64, TransferPlan, plan_transfer
 

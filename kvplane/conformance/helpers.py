@@ -13,10 +13,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.backend.base import Backend, Direction
+from kvplane.descriptors import CopyPlan
 from kvplane.kv.binding import allocate_cache, regions_from_tensors, slot_tensors
 from kvplane.kv.layouts import LAYOUTS, LayerValue
 from kvplane.kv.spec import KVGroup, KVSpec, LayerSpec, SlotSpec
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.plan.local import block_copy_plan
 
 if TYPE_CHECKING:

@@ -8,9 +8,9 @@ import pytest
 
 from kvplane.backend.base import Backend
 from kvplane.conformance.helpers import SOURCE_BLOCKS, spec_for
+from kvplane.descriptors import Region
 from kvplane.errors import BackendError
 from kvplane.kv.binding import allocate_cache, regions_from_tensors
-from kvplane.kv.regions import Region
 
 
 @pytest.mark.parametrize("family", ["gqa", "mla"])

@@ -22,8 +22,8 @@ from kvplane.conformance.helpers import (
     plan_between,
     spec_for,
 )
+from kvplane.descriptors import CopyPlan
 from kvplane.kv.spec import KVSpec
-from kvplane.plan.descriptors import CopyPlan
 
 LAYOUT = "split_kv"
 

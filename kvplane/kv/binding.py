@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from kvplane.descriptors import Region
 from kvplane.errors import LayoutError
 from kvplane.kv.layouts import LayerValue, Layout, get_layout
 from kvplane.kv.layouts.base import SlotTensor
-from kvplane.kv.regions import Region
 from kvplane.kv.spec import KVSpec
 
 if TYPE_CHECKING:

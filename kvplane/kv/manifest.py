@@ -12,8 +12,8 @@ import hashlib
 import msgspec
 
 from kvplane import __version__
+from kvplane.descriptors import Region
 from kvplane.errors import ManifestDecodeError, ManifestMismatch
-from kvplane.kv.regions import Region
 from kvplane.kv.spec import KVSpec
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024

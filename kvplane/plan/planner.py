@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import PlanError, SpecError
 from kvplane.kv.manifest import Manifest
-from kvplane.kv.regions import Region
 from kvplane.kv.spec import LayerSpec
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.plan.heads import head_range, overlap
 from kvplane.plan.tokens import Chunks, token_chunks
 

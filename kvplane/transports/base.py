@@ -19,7 +19,7 @@ from typing import ClassVar, Literal
 import msgspec
 
 from kvplane.backend.base import Backend
-from kvplane.plan.descriptors import CopyPlan
+from kvplane.descriptors import CopyPlan
 
 Op = Literal["READ", "WRITE"]
 DEFAULT_TIMEOUT_S = 30.0

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvplane.descriptors import CopyPlan, Int64Array
 from kvplane.errors import PlanError, TransportError
-from kvplane.plan.descriptors import CopyPlan, Int64Array
 from kvplane.transports.base import Op, TransportConfig
 
 OPS: tuple[Op, ...] = ("READ", "WRITE")

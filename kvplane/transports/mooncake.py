@@ -24,8 +24,8 @@ from importlib import metadata
 from typing import Any
 
 from kvplane.backend.base import Backend
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import PeerUnreachable, PlanError, TransportError, TransportUnavailable
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
 from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
 from kvplane.transports.mooncake_transfer import MooncakeTransfer

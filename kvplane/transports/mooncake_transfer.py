@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransferFailed, TransferTimeout, TransportError
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.transports.base import Op, Transfer
 from kvplane.transports.batching import Deadline, backoff_s, local_remote
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvplane.backend.base import Backend
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import PeerUnreachable, TransportError, TransportUnavailable
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
 from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
 from kvplane.transports.nixl_transfer import NixlTransfer

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransferFailed, TransferTimeout, TransportError
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.transports.base import Op, Transfer
 from kvplane.transports.batching import Deadline, backoff_s, descriptor_table, local_remote
 

@@ -21,8 +21,8 @@ from framed import ChildDied, FramedProcess
 
 from kvplane.backend import get_backend
 from kvplane.backend.base import Backend
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import PeerUnreachable, PlanError, TransferFailed, TransferTimeout, TransportError
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.transports.base import PeerInfo, Transport, TransportConfig
 from kvplane.transports.mooncake import MooncakeTransport
 from kvplane.transports.nixl import NixlTransport

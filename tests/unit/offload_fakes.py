@@ -15,12 +15,12 @@ import torch
 
 from kvplane.backend.cpu.backend import CpuBackend
 from kvplane.backend.cpu.streams import WorkerStream
+from kvplane.descriptors import CopyPlan
 from kvplane.flows.offload import OffloadConfig, OffloadEngine, StoreConfig
 from kvplane.flows.offload.store import StoreTier
 from kvplane.kv.binding import allocate_cache, slot_tensors
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
-from kvplane.plan.descriptors import CopyPlan
 
 GATE_S = 30.0  # a gate nobody opens gives up after this, so a broken test fails instead of hanging
 

@@ -22,8 +22,8 @@ from kvplane.backend.vendor_copy import (
     load_copy_function,
     native,
 )
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
-from kvplane.plan.descriptors import CopyPlan
 
 I64 = np.int64
 KINDS = {"cuda": 4, "acl": 2, "cnrt": 2, "cuda_batch12": 0, "cuda_batch13": 0}

@@ -17,11 +17,11 @@ from kvplane.backend import get_backend
 from kvplane.backend.cpu.backend import CpuBackend
 from kvplane.backend.cpu.memcpy import PARALLEL_MIN_BYTES
 from kvplane.backend.cpu.streams import CpuEvent, HostStream, WorkerStream
+from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import BackendError, PlanError
 from kvplane.kv.binding import allocate_cache, regions_from_tensors
-from kvplane.kv.regions import Region
 from kvplane.kv.spec import KVSpec
-from kvplane.plan import CopyPlan, block_copy_plan
+from kvplane.plan import block_copy_plan
 
 I64 = np.int64
 NB_SRC, NB_DST, BS = 10, 8, 4

@@ -23,10 +23,11 @@ from kvplane_mlu.backend import MluBackend
 from kvplane.backend.accelerator import AcceleratorBackend
 from kvplane.backend.registry import BackendRegistry
 from kvplane.backend.vendor_copy import CopyFunction, emulated_copy_function
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
 from kvplane.kv.binding import allocate_cache, regions_from_tensors, slot_tensors
 from kvplane.kv.spec import KVSpec
-from kvplane.plan import CopyPlan, block_copy_plan
+from kvplane.plan import block_copy_plan
 from kvplane.testing.emulated import EMULATE_ENV, emulated, install_emulated, uninstall_emulated
 
 BACKENDS: list[type[AcceleratorBackend]] = [AscendBackend, MluBackend]

@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import PlanError
 from kvplane.kv.binding import allocate_cache, regions_from_tensors
 from kvplane.kv.spec import KVSpec
-from kvplane.plan import CopyPlan, block_copy_plan
+from kvplane.plan import block_copy_plan
 
 I64 = np.int64
 

@@ -14,9 +14,9 @@ import pytest
 from kvplane_ascend.backend import AscendBackend
 
 from kvplane.backend.registry import GROUP, BackendRegistry
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError, BackendUnavailable
 from kvplane.kv.layouts import LAYOUTS
-from kvplane.plan.descriptors import CopyPlan
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None

@@ -10,8 +10,8 @@ import itertools
 import pytest
 from kvplane_ascend.backend import AscendBackend
 
+from kvplane.descriptors import Region
 from kvplane.errors import BackendError
-from kvplane.kv.regions import Region
 
 MiB = 1 << 20
 ALIGN = 2 * MiB

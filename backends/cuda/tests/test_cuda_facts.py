@@ -14,10 +14,9 @@ import torch
 from kvplane_cuda.backend import CudaBackend
 
 from kvplane.backend.registry import GROUP, BackendRegistry
+from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import BackendError, BackendUnavailable
 from kvplane.kv.layouts import LAYOUTS
-from kvplane.kv.regions import Region
-from kvplane.plan.descriptors import CopyPlan
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 HAS_GPU = torch.cuda.is_available()

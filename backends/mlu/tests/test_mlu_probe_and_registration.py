@@ -9,7 +9,7 @@ import pytest
 import torch
 from kvplane_mlu.backend import MluBackend
 
-from kvplane.kv.regions import Region
+from kvplane.descriptors import Region
 
 
 def fake_torch_mlu(monkeypatch: pytest.MonkeyPatch, *, available: bool, count: int) -> None:

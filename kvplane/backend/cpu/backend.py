@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, ClassVar
 from kvplane.backend.base import Backend, Direction, Probe, Stream
 from kvplane.backend.cpu.memcpy import copy_plan, default_threads
 from kvplane.backend.cpu.streams import CpuEvent, HostStream, WorkerStream
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
-from kvplane.plan.descriptors import CopyPlan
 
 if TYPE_CHECKING:
     import torch

@@ -6,8 +6,8 @@ import importlib
 import os
 from types import ModuleType
 
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
-from kvplane.plan.descriptors import CopyPlan
 
 _memcpy: ModuleType | None
 try:

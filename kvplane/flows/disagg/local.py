@@ -15,6 +15,7 @@ import msgspec
 
 from kvplane.backend.base import Backend
 from kvplane.blocks.groups import Ids, PerGroup, per_group
+from kvplane.descriptors import Region
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import Handshake
@@ -22,7 +23,6 @@ from kvplane.flows.disagg.staging import StagingArena
 from kvplane.kv.binding import LayoutChoice, layouts_by_family, regions_from_tensors
 from kvplane.kv.layouts import LayerValue, Layout
 from kvplane.kv.manifest import Manifest
-from kvplane.kv.regions import Region
 from kvplane.kv.spec import KVSpec
 from kvplane.transports.base import Transport, TransportConfig
 from kvplane.transports.registry import get_transport_class

@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import KvplaneError, TransferFailed
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.transports.base import Op, Transfer, Transport
 
 logger = logging.getLogger("kvplane.disagg")

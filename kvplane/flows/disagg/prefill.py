@@ -29,6 +29,7 @@ import zmq
 
 from kvplane.backend.base import Backend, Event
 from kvplane.blocks.groups import Ids, PerGroup
+from kvplane.descriptors import CopyPlan
 from kvplane.errors import KvplaneError, ManifestMismatch
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.config import DisaggConfig
@@ -55,7 +56,6 @@ from kvplane.flows.disagg.routes import layers_by_source, route_plan
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.plan.planner import TransferPlan
 
 logger = logging.getLogger("kvplane.disagg")

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvplane.blocks.groups import Ids
+from kvplane.descriptors import CopyPlan
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord
 from kvplane.flows.disagg.results import State
-from kvplane.plan.descriptors import CopyPlan
 from kvplane.plan.planner import TransferPlan
 
 

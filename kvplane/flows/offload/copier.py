@@ -17,9 +17,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.backend.base import Backend, Event, Stream
+from kvplane.descriptors import CopyPlan, Region
 from kvplane.flows.offload.layer_plans import LayerPlanner
-from kvplane.kv.regions import Region
-from kvplane.plan.descriptors import CopyPlan
 
 Ids = npt.NDArray[np.int64]
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvplane.backend.base import Backend, Event
 from kvplane.blocks.groups import Ids, PerGroup, per_group
+from kvplane.descriptors import CopyPlan, Region
 from kvplane.flows.offload.config import OffloadConfig
 from kvplane.flows.offload.copier import LayerCopier
 from kvplane.flows.offload.errors import OffloadError
@@ -36,9 +37,7 @@ from kvplane.flows.offload.spill import StoreLink
 from kvplane.flows.offload.store import StoreTier
 from kvplane.kv.binding import LayoutChoice, regions_from_tensors
 from kvplane.kv.layouts import LayerValue
-from kvplane.kv.regions import Region
 from kvplane.kv.spec import KVSpec
-from kvplane.plan.descriptors import CopyPlan
 
 LoadRequest = tuple[str, PerGroup, PerGroup]  # (request id, block hashes, device block ids)
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvplane.backend.base import Backend
+from kvplane.descriptors import Region
 from kvplane.flows.offload.errors import OffloadConfigError
-from kvplane.kv.regions import Region
 
 if TYPE_CHECKING:
     import torch

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from kvplane.backend.base import Event
 from kvplane.blocks.groups import Ids, PerGroup, per_group
+from kvplane.descriptors import CopyPlan
 from kvplane.flows.offload.errors import OffloadError
-from kvplane.plan.descriptors import CopyPlan
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvplane.kv.regions import Region
+from kvplane.descriptors import Region
 from kvplane.kv.spec import KVSpec
 
 

@@ -15,9 +15,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import PlanError
-from kvplane.kv.regions import Region
-from kvplane.plan.descriptors import CopyPlan
 
 Ids = npt.NDArray[np.int64]
 

@@ -12,8 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from kvplane.descriptors import Region
 from kvplane.errors import LayoutError
-from kvplane.kv.regions import Region
 from kvplane.kv.spec import LayerSpec
 
 if TYPE_CHECKING:
