@@ -22,35 +22,74 @@ from kvplane.errors import LayoutError, PlanError
 
 Int64Array = npt.NDArray[np.int64]
 
-class Region(msgspec.Struct, frozen=True):
-    """Block ``i`` of this region is ``block_bytes`` bytes at ``addr + i * block_stride``.
+class SlotPart(msgspec.Struct, frozen=True, array_like=True):
+    """One spec slot's share of a row: ``nbytes`` bytes at ``offset`` of every (token, head) row of a region.
 
-    ``slot`` is a spec slot (``k``, ``kv_c``...) or, for layouts that interleave slots per token, their fused
-    name (``kv_c+k_pe``). Inside a block, ``order`` ``"NHD"`` means token-major (token stride =
-    ``heads * head_bytes``), ``"HND"`` head-major (head stride = ``tokens_per_block * head_bytes``).
+    vLLM packs K and V in one row of ``2 * head`` elements: K is ``SlotPart("k", 0, head_bytes)`` and V
+    ``SlotPart("v", head_bytes, head_bytes)``; MLA's 576-wide row holds ``kv_c`` then ``k_pe``.
+    """
+
+    slot: str
+    offset: int
+    nbytes: int
+
+
+class Region(msgspec.Struct, frozen=True):
+    """Block ``i`` of this region is ``block_bytes`` contiguous bytes at ``addr + i * block_stride``.
+
+    A block holds ``tokens_per_block x heads`` rows of ``row_bytes``; ``order`` ``"NHD"`` means token-major
+    (token stride ``heads * row_bytes``), ``"HND"`` head-major (head stride ``tokens_per_block * row_bytes``).
+    ``parts`` say which spec slots each row holds and where; ``slot`` joins their names (``k+v``, ``kv_c+k_pe``,
+    ``k``). All of it is read from the engine tensor's shape, strides and storage offset, never assumed.
     """
 
     group_id: int
     layer: int
     layer_name: str
-    slot: str
     addr: int
     num_blocks: int
     block_stride: int
     block_bytes: int
     tokens_per_block: int
     heads: int
-    head_bytes: int
+    row_bytes: int
+    parts: tuple[SlotPart, ...]
     order: str = "NHD"
 
     def __post_init__(self) -> None:  # runs on decode too, so a malformed peer manifest is rejected here
+        where = f"region {self.layer_name!r}"
         if self.num_blocks < 1 or self.block_bytes < 1 or self.block_stride < self.block_bytes:
             raise LayoutError(
-                f"region {self.layer_name!r}/{self.slot!r}: num_blocks={self.num_blocks}, block_bytes="
-                f"{self.block_bytes}, block_stride={self.block_stride}; need >= 1 block, > 0 bytes, no overlap"
+                f"{where}: num_blocks={self.num_blocks}, block_bytes={self.block_bytes}, block_stride="
+                f"{self.block_stride}; need >= 1 block, > 0 bytes, no overlap"
             )
         if self.order not in ("NHD", "HND"):
-            raise LayoutError(f"region {self.layer_name!r}/{self.slot!r}: order={self.order!r}, use NHD or HND")
+            raise LayoutError(f"{where}: order={self.order!r}, use NHD or HND")
+        if self.tokens_per_block < 1 or self.heads < 1 or self.row_bytes < 1:
+            raise LayoutError(
+                f"{where}: tokens_per_block={self.tokens_per_block}, heads={self.heads}, row_bytes="
+                f"{self.row_bytes}; each must be >= 1"
+            )
+        if self.block_bytes != self.tokens_per_block * self.heads * self.row_bytes:
+            raise LayoutError(
+                f"{where}: block_bytes={self.block_bytes} is not tokens_per_block x heads x row_bytes = "
+                f"{self.tokens_per_block} x {self.heads} x {self.row_bytes}"
+            )
+        edge = 0
+        for part in self.parts:
+            if part.offset < edge or part.nbytes < 1 or part.offset + part.nbytes > self.row_bytes:
+                raise LayoutError(
+                    f"{where}: slot part {part.slot!r} at offset {part.offset} (+{part.nbytes} B) overlaps "
+                    f"another or leaves the {self.row_bytes}-byte row; parts must be in order, inside the row"
+                )
+            edge = part.offset + part.nbytes
+        if not self.parts:
+            raise LayoutError(f"{where}: a region holds at least one slot part")
+
+    @property
+    def slot(self) -> str:
+        """The spec slots this region holds, joined: ``k``, ``k+v``, ``kv_c+k_pe``."""
+        return "+".join(part.slot for part in self.parts)
 
     @property
     def end(self) -> int:
@@ -109,6 +148,25 @@ class CopyPlan:
             np.concatenate([p.dst for p in plans]),
             np.concatenate([p.length for p in plans]),
         )
+
+    @classmethod
+    def merge_parallel(cls, plans: list[CopyPlan]) -> CopyPlan:
+        """Concatenate plans of equal length whose i-th descriptors may sit side by side in memory.
+
+        Plan ``j`` usually moves the blocks of layer ``j``. In a cross-layer cache block ``i`` of layer ``j + 1``
+        starts where layer ``j``'s ends, on both sides; then the plans are interleaved block-major so that
+        ``coalesced`` makes one descriptor per block for all layers. Otherwise they are concatenated as given,
+        which keeps runs of consecutive blocks of one layer together. Plans of unequal length are concatenated.
+        """
+        if len(plans) < 2 or len({len(p) for p in plans}) != 1 or not len(plans[0]):
+            return cls.concat(plans)
+        src = np.stack([p.src for p in plans])
+        dst = np.stack([p.dst for p in plans])
+        length = np.stack([p.length for p in plans])
+        side_by_side = (src[1:, 0] == src[:-1, 0] + length[:-1, 0]) & (dst[1:, 0] == dst[:-1, 0] + length[:-1, 0])
+        if not bool(side_by_side.any()):
+            return cls(src.ravel(), dst.ravel(), length.ravel())
+        return cls(src.T.ravel(), dst.T.ravel(), length.T.ravel())
 
     def __len__(self) -> int:
         return int(self.src.size)

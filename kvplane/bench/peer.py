@@ -41,6 +41,7 @@ class CacheConfig(msgspec.Struct, frozen=True):
     rank: int = 0
     tp_size: int = 1
     engine_id: str = "peer"
+    order: str = "NHD"  # memory order of token-major/head-major blocks
 
 
 class PeerConfig(msgspec.Struct, frozen=True):
@@ -53,7 +54,7 @@ class PeerConfig(msgspec.Struct, frozen=True):
 class KVBuffer:
     """A KV cache carved from one host buffer, with the helpers both peer and parent use."""
 
-    def __init__(self, spec: KVSpec, layout: LayoutChoice, num_blocks: int, alloc: Any) -> None:
+    def __init__(self, spec: KVSpec, layout: LayoutChoice, num_blocks: int, alloc: Any, order: str = "NHD") -> None:
         self.spec, self.layout = spec, layout
         held: list[torch.Tensor] = []
 
@@ -61,7 +62,7 @@ class KVBuffer:
             held.append(alloc(n))
             return held[0]
 
-        self.cache: dict[str, LayerValue] = allocate_cache(spec, layout, num_blocks, alloc=take)
+        self.cache: dict[str, LayerValue] = allocate_cache(spec, layout, num_blocks, alloc=take, order=order)
         self.buffer = held[0]
         self.regions = regions_from_tensors(spec, self.cache, layout)
 
@@ -99,7 +100,7 @@ def serve(conn: Connection, config_bytes: bytes) -> None:
     backend = get_backend("cpu")
     kvs = []
     for c in cfg.caches:
-        kv = KVBuffer(c.spec, c.layout, c.num_blocks, backend.alloc_host)
+        kv = KVBuffer(c.spec, c.layout, c.num_blocks, backend.alloc_host, c.order)
         kv.fill(c.seed)
         kvs.append(kv)
     transport = get_transport_class(cfg.transport)(

@@ -14,7 +14,7 @@ from kvplane.bench.models import model_spec
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenarios import Scenario, register
 from kvplane.bench.timing import alternate
-from kvplane.descriptors import Region
+from kvplane.descriptors import Region, SlotPart
 from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVSpec
 from kvplane.plan.planner import I64, TransferPlan, plan_transfer
@@ -33,7 +33,6 @@ def synthetic_manifest(spec: KVSpec, layout: str, num_blocks: int, base: int) ->
                     layer.group_id,
                     layer.index,
                     layer.name,
-                    slot.name,
                     addr,
                     num_blocks,
                     block,
@@ -41,6 +40,7 @@ def synthetic_manifest(spec: KVSpec, layout: str, num_blocks: int, base: int) ->
                     BLOCK_TOKENS,
                     slot.heads,
                     slot.head_bytes,
+                    (SlotPart(slot.name, 0, slot.head_bytes),),
                 )
             )
             addr += num_blocks * block

@@ -8,7 +8,7 @@ import pytest
 
 from kvplane.backend.base import Backend
 from kvplane.conformance.helpers import SOURCE_BLOCKS, spec_for
-from kvplane.descriptors import Region
+from kvplane.descriptors import Region, SlotPart
 from kvplane.errors import BackendError
 from kvplane.kv.binding import allocate_cache, regions_from_tensors
 
@@ -35,8 +35,8 @@ def test_more_separate_regions_than_the_device_allows_is_an_error_naming_the_lim
     limit = kvplane_backend.max_registered_regions
     step = 4 * kvplane_backend.registration_alignment + kvplane_backend.registration_merge_gap + 4096
     count = limit + 1 if limit is not None else 4096
-    regions = [Region(0, i, f"layers.{i}", "k", 0x10_0000_0000 + i * step, 1, 4096, 4096, 16, 1, 256)
-               for i in range(count)]
+    regions = [Region(0, i, f"layers.{i}", 0x10_0000_0000 + i * step, 1, 4096, 4096, 16, 1, 256,
+                      (SlotPart("k", 0, 256),)) for i in range(count)]
     if limit is None:
         assert len(kvplane_backend.registration_spans(regions)) == count  # no cap: nothing is merged away
         return

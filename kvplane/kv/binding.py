@@ -47,6 +47,25 @@ def _layout_of(spec: KVSpec, by_family: dict[str, Layout], layer_name: str) -> L
     return layout
 
 
+def matching_layouts(spec: KVSpec, layer_name: str, value: LayerValue) -> list[Layout]:
+    """Every registered layout of the layer's family that reads ``value`` without error (engines whose shape
+    function is not at hand: the tensor's own shape and strides decide)."""
+    from kvplane.kv.layouts import LAYOUTS
+
+    layer = spec.layer(layer_name)
+    tokens_per_block = spec.group(layer.group_id).tokens_per_block
+    found = []
+    for layout in LAYOUTS.values():
+        if layout.family != layer.family:
+            continue
+        try:
+            layout.slot_tensors(layer, tokens_per_block, value)
+        except LayoutError:
+            continue
+        found.append(layout)
+    return found
+
+
 def slot_tensors(spec: KVSpec, tensors: Mapping[str, LayerValue], layouts: LayoutChoice) -> list[SlotTensor]:
     """Every region's tensor (dim 0 = blocks), in spec layer order; validates shapes and names."""
     by_family = layouts_by_family(layouts)
@@ -92,21 +111,23 @@ def allocate_cache(
     device: object = "cpu",
     alloc: Callable[[int], torch.Tensor] | None = None,
     zero: bool = True,
+    order: str = "NHD",
 ) -> dict[str, LayerValue]:
     """Zeroed engine-style tensors for every layer of ``spec`` (tests, the bench, the conformance suite).
 
-    With ``alloc`` (``nbytes -> uint8 tensor``, e.g. a backend's pinned ``alloc_host``) every tensor is carved
-    out of one allocation instead; ``zero=False`` keeps what that memory holds.
+    Each tensor is laid out in memory as ``order`` says (``NHD`` or ``HND``) and viewed in its layout's logical
+    shape, as vLLM does. With ``alloc`` (``nbytes -> uint8 tensor``, e.g. a backend's pinned ``alloc_host``)
+    every tensor is carved out of one allocation instead; ``zero=False`` keeps what that memory holds.
     """
     import torch
 
     by_family = layouts_by_family(layouts)
-    target = "meta" if alloc is not None else device
     out: dict[str, LayerValue] = {}
     for layer in spec.layers:
         layout = _layout_of(spec, by_family, layer.name)
         tokens_per_block = spec.group(layer.group_id).tokens_per_block
-        out[layer.name] = layout.allocate(layer, num_blocks, tokens_per_block, target)  # type: ignore[arg-type]
+        target = "meta" if alloc is not None else device
+        out[layer.name] = layout.allocate(layer, num_blocks, tokens_per_block, target, order)  # type: ignore[arg-type]
     if alloc is None:
         return out
     flat = [(name, t) for name, v in out.items() for t in ((v,) if isinstance(v, torch.Tensor) else v)]
@@ -117,6 +138,82 @@ def allocate_cache(
     offset, carved = 0, dict[str, list[torch.Tensor]]()
     for name, t in flat:
         n = t.numel() * t.element_size()
-        carved.setdefault(name, []).append(buf[offset : offset + n].view(t.dtype).view(t.shape))
+        carved.setdefault(name, []).append(_carve(buf[offset : offset + n], t))
         offset += n
     return {name: ts[0] if isinstance(out[name], torch.Tensor) else tuple(ts) for name, ts in carved.items()}
+
+
+def _carve(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``raw`` bytes viewed with ``like``'s shape and strides (``like`` is a dense, possibly permuted, view)."""
+    return raw.view(like.dtype).as_strided(like.shape, like.stride())
+
+
+def allocate_cross_layer(
+    spec: KVSpec, layout: Layout | str, num_blocks: int, device: object = "cpu"
+) -> tuple[torch.Tensor, dict[str, LayerValue]]:
+    """One tensor for every layer, as vLLM allocates it for a connector that prefers cross-layer blocks.
+
+    Memory is ``(nb, num_layers, <one layer's NHD block>)``, so block ``i`` of every layer is one contiguous
+    range. Returns that tensor (memory order, as vLLM passes it to ``register_cross_layers_kv_cache``) and the
+    per-layer logical views.
+    """
+    import torch
+
+    layout = get_layout(layout) if isinstance(layout, str) else layout
+    groups = {layer.group_id for layer in spec.layers}
+    if (len(groups) != 1 or len(layout.tensors) != 1 or layout.tensors[0].dims[0] != "block"
+            or len({layer.slots for layer in spec.layers}) != 1):
+        raise LayoutError(
+            f"cross-layer blocks need one KV-cache group of identical layers in a one-tensor layout whose blocks come "
+            f"first; got groups {sorted(groups)} and layout {layout.name} {layout.shape}"
+        )
+    first = spec.layers[0]
+    one = layout.allocate(first, 1, spec.group(first.group_id).tokens_per_block, "meta", "NHD")
+    assert isinstance(one, torch.Tensor)
+    num_layers = len(spec.layers)
+    per_block = one.numel()
+    cross = torch.zeros((num_blocks, num_layers, per_block), dtype=one.dtype, device=device)  # type: ignore[call-overload]
+    views: dict[str, LayerValue] = {}
+    for i, layer in enumerate(spec.layers):
+        strides = [s if d != 0 else num_layers * per_block for d, s in enumerate(one.stride())]
+        shape = (num_blocks, *one.shape[1:])
+        views[layer.name] = cross[:, i].as_strided(shape, strides, cross.storage_offset() + i * per_block)
+    return cross, views
+
+
+def check_whole_allocations(tensors: Mapping[str, LayerValue]) -> None:
+    """Raise ``LayoutError`` unless the tensors, together, cover every storage they live in.
+
+    An engine registers its whole cache; a slice of blocks (or one of K and V where both were allocated) would
+    register less than the engine indexes. Tensors sharing one allocation (vLLM's hybrid groups, K and V halves
+    of one buffer) are checked together.
+    """
+    import torch
+
+    covered: dict[int, list[tuple[int, int, str]]] = {}
+    size_of: dict[int, int] = {}
+    for name, value in tensors.items():
+        for t in (value,) if isinstance(value, torch.Tensor) else value:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            size_of[key] = storage.nbytes()
+            start = t.data_ptr() - key
+            # the footprint of the outermost step (a tensor's blocks, padding included) counts as covered
+            extent = max((n * st for n, st in zip(t.shape, t.stride())), default=1) * t.element_size()
+            covered.setdefault(key, []).append((start, start + extent, name))
+    for key, spans in covered.items():
+        spans.sort()
+        edge, gap = 0, None
+        for start, end, _ in spans:
+            if start > edge and gap is None:
+                gap = (edge, start)
+            edge = max(edge, end)
+        if edge < size_of[key] and gap is None:
+            gap = (edge, size_of[key])
+        if gap is not None:
+            names = sorted({n for _, _, n in spans})
+            raise LayoutError(
+                f"layers {names[:3]}: their tensors leave bytes [{gap[0]}, {gap[1]}) of their "
+                f"{size_of[key]}-byte allocation uncovered; register the whole cache tensors the engine "
+                f"allocated, not a slice of blocks or a part of them"
+            )

@@ -53,6 +53,8 @@ class SlotSpec(msgspec.Struct, frozen=True):
             raise SpecError(f"slot name={self.name!r} is unknown; use one of {SLOT_NAMES}")
         if self.heads < 1 or self.head_dim < 1:
             raise SpecError(f"slot {self.name!r}: heads={self.heads}, head_dim={self.head_dim} must be >= 1")
+        if self.name in FAMILY_SLOTS["mla"] and self.heads != 1:
+            raise SpecError(f"slot {self.name!r}: MLA slots have 1 head (replicated on every rank), got heads={self.heads}")
         dtype_bytes(self.dtype)
 
     @property

@@ -23,7 +23,8 @@ def block_copy_plan(
 ) -> CopyPlan:
     """Copy block ``src_block_ids[i]`` of every source region into ``dst_block_ids[i]`` of its pair.
 
-    Regions pair up in order and must have equal block bytes; the plan is coalesced.
+    Regions pair up in order and must have equal block bytes and row layout; the plan is coalesced, one
+    descriptor per block across all layers where both sides are cross-layer caches.
     """
     src_ids = np.asarray(src_block_ids, dtype=np.int64)
     dst_ids = np.asarray(dst_block_ids, dtype=np.int64)
@@ -33,11 +34,12 @@ def block_copy_plan(
         raise PlanError(f"{len(src_regions)} source regions but {len(dst_regions)} destination regions")
     plans = []
     for s, d in zip(src_regions, dst_regions):
-        if s.block_bytes != d.block_bytes:
+        if (s.block_bytes, s.row_bytes, s.parts, s.order) != (d.block_bytes, d.row_bytes, d.parts, d.order):
             raise PlanError(
-                f"layer {s.layer_name!r} slot {s.slot!r}: block bytes differ ({s.block_bytes} vs {d.block_bytes}); "
-                f"a local block copy needs the same layout on both sides"
+                f"layer {s.layer_name!r} slot {s.slot!r}: blocks differ ({s.block_bytes} B {s.order} rows of "
+                f"{s.row_bytes} B vs {d.block_bytes} B {d.order} rows of {d.row_bytes} B); a local block copy "
+                f"needs the same layout and memory order on both sides"
             )
         lengths = np.full(src_ids.size, s.block_bytes, dtype=np.int64)
         plans.append(CopyPlan(s.block_addrs(src_ids), d.block_addrs(dst_ids), lengths))
-    return CopyPlan.concat(plans).coalesced()
+    return CopyPlan.merge_parallel(plans).coalesced()

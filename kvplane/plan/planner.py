@@ -1,8 +1,10 @@
 """The planner: two manifests + block ids -> a ``TransferPlan`` (descriptor arrays plus staged re-layouts).
 
-Per layer, each destination region is paired with the source region of the same slot. A pair moves
-**directly** when its bytes line up chunk by chunk: token-major blocks holding the same heads on both sides,
-or head-major (HND) blocks, where a head slice of a block is contiguous. Block sizes may differ (chunks of
+Per layer, each destination region is paired with the source region holding the same slots. A pair moves
+**directly** when its bytes line up chunk by chunk: the same rows (slot parts, row bytes) in the same memory
+order, token-major blocks holding the same heads on both sides, or head-major (HND) blocks, where a head slice
+of a block is contiguous. Direct descriptors of all layers are built per layer and merged block-major where the
+layers of a block sit side by side on both sides (cross-layer caches): one descriptor per block for all layers. Block sizes may differ (chunks of
 ``gcd`` tokens). Anything else (a head slice of token-major blocks under heterogeneous TP, fused MLA against
 split nope/rope, token-major against head-major) is **staged**: whole source blocks land in a staging buffer on
 the destination and ``plan.relayout`` re-lays them out there with tensor ops. No descriptor is ever per token,
@@ -74,7 +76,7 @@ def _replicated(layer: LayerSpec) -> bool:
 
 
 def _direct_ok(s: Region, d: Region, heads: tuple[int, int]) -> bool:
-    if s.slot != d.slot or s.order != d.order or s.head_bytes != d.head_bytes:
+    if s.parts != d.parts or s.order != d.order or s.row_bytes != d.row_bytes:
         return False
     if s.order == "HND":
         return True
@@ -84,11 +86,11 @@ def _direct_ok(s: Region, d: Region, heads: tuple[int, int]) -> bool:
 def _direct(s: Region, d: Region, ch: Chunks, heads: tuple[int, int], s_h0: int, d_h0: int) -> CopyPlan:
     src_blocks, dst_blocks = s.block_addrs(ch.src_block), d.block_addrs(ch.dst_block)
     if s.order == "NHD":
-        row_s, row_d = s.heads * s.head_bytes, d.heads * d.head_bytes
+        row_s, row_d = s.heads * s.row_bytes, d.heads * d.row_bytes
         src = src_blocks + ch.src_token * row_s
         dst = dst_blocks + ch.dst_token * row_d
         return CopyPlan(src, dst, np.full(ch.count, ch.tokens * row_s, dtype=np.int64))
-    hb = s.head_bytes
+    hb = s.row_bytes
     h = np.arange(heads[0], heads[1], dtype=np.int64)
     src = (src_blocks + ch.src_token * hb)[:, None] + ((h - s_h0) * s.tokens_per_block * hb)[None, :]
     dst = (dst_blocks + ch.dst_token * hb)[:, None] + ((h - d_h0) * d.tokens_per_block * hb)[None, :]
@@ -112,6 +114,7 @@ def plan_transfer(
     much), and a plan that needs more raises ``PlanError`` naming the size.
     """
     names = list(layers) if layers is not None else dst.spec.layer_names
+    direct: dict[int, list[CopyPlan]] = {}  # per KV-cache group: equal-length plans, merged across layers
     parts: list[CopyPlan] = []
     staged: list[StagedLayer] = []
     direct_bytes = expected_direct = staging_used = staged_bytes = 0
@@ -135,9 +138,9 @@ def plan_transfer(
         if len(pairs) == len(d_regions) and all(_direct_ok(s, d, heads) for s, d in pairs):
             for s, d in pairs:
                 part = _direct(s, d, ch, heads, s_h0, d_h0)
-                parts.append(part)
+                direct.setdefault(group, []).append(part)
                 direct_bytes += part.total_bytes
-                expected_direct += ch.count * ch.tokens * (heads[1] - heads[0]) * d.head_bytes
+                expected_direct += ch.count * ch.tokens * (heads[1] - heads[0]) * d.row_bytes
             continue
         n_src = -(-num_tokens[group] // s_regions[0].tokens_per_block)
         src_ids = np.asarray(src_block_ids[group], dtype=np.int64)[:n_src]
@@ -170,7 +173,7 @@ def plan_transfer(
             f"this transfer must stage {staging_used} B (layouts or TP head slices differ between the sides); "
             f"pass staging=(addr, nbytes) of a registered destination buffer"
         )
-    plan = CopyPlan.concat(parts).coalesced()
+    plan = CopyPlan.concat([CopyPlan.merge_parallel(p) for p in direct.values()] + parts).coalesced()
     return TransferPlan(plan, tuple(staged), staging_used, direct_bytes, staged_bytes, tuple(names))
 
 

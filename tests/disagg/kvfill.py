@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+from kvref import split_choice
 
 from kvplane.kv.layouts import LayerValue, get_layout
 from kvplane.kv.spec import KVSpec
@@ -40,7 +41,7 @@ def digest(
     """A hash of the request's first ``tokens`` tokens (``table``: block ids per group) of every slot of every
     layer; for token-major layouts (a block's rows are its tokens)."""
     h = hashlib.blake2b(digest_size=16)
-    lay = get_layout(layout)
+    lay = get_layout(split_choice(layout)[0])
     for layer in spec.layers:
         ids = torch.as_tensor(np.asarray(table[layer.group_id], dtype=np.int64))
         tokens_per_block = spec.group(layer.group_id).tokens_per_block

@@ -65,7 +65,7 @@ class Engine:
         self.side.close()
 
 
-def make(role: str, spec: KVSpec, layout: str = "gqa_fused", num_blocks: int = 64, seed: int = 0,
+def make(role: str, spec: KVSpec, layout: str = "packed_kv", num_blocks: int = 64, seed: int = 0,
          engine: str = "mooncake", **config: Any) -> Engine:
     cache = allocate_cache(spec, layout, num_blocks)
     if seed:

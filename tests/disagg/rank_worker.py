@@ -27,6 +27,7 @@ import msgspec
 import torch
 from framed import read_frame, reply_channel, write_frame
 from kvfill import digest, fill
+from kvref import split_choice
 from tiny_model import Shape, TinyDecoder
 
 
@@ -100,11 +101,12 @@ class Worker:
         if self.side is not None:
             self.side.close()
         shape = Shape(**msg["shape"])
-        cache = allocate_cache(shape.spec(), msg["layout"], msg["num_blocks"])
+        name, order = split_choice(msg["layout"])
+        cache = allocate_cache(shape.spec(), name, msg["num_blocks"], order=order)
         self.model = TinyDecoder(shape, msg["layout"], cache)
         config = DisaggConfig(**msg["config"])
         cls = PrefillSide if msg["role"] == "prefill" else DecodeSide
-        self.side = cls(self.backend, shape.spec(), cache, config, layouts=msg["layout"])
+        self.side = cls(self.backend, shape.spec(), cache, config, layouts=name)
         self.spec, self.layout, self.cache = shape.spec(), msg["layout"], cache
         self.completions = {}
         port = getattr(self.side, "port", 0)
@@ -120,11 +122,12 @@ class Worker:
             self.side.close()
         self.spec = msgspec.msgpack.decode(msg["spec"], type=KVSpec)
         self.layout = msg["layout"]
-        self.cache = allocate_cache(self.spec, self.layout, msg["num_blocks"])
+        name, order = split_choice(self.layout)
+        self.cache = allocate_cache(self.spec, name, msg["num_blocks"], order=order)
         fill(self.cache, msg["seed"])
         config = DisaggConfig(**msg["config"])
         cls = PrefillSide if msg["role"] == "prefill" else DecodeSide
-        self.side = cls(self.backend, self.spec, self.cache, config, layouts=self.layout)
+        self.side = cls(self.backend, self.spec, self.cache, config, layouts=name)
         self.model, self.completions = None, {}
         port = getattr(self.side, "port", 0)
         return {"port": port, "base_port": port - config.rank if port else 0}

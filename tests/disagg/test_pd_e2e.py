@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from kvref import split_choice
 from rank_pool import Pool
 from tiny_model import Shape, TinyDecoder
 
@@ -51,7 +52,9 @@ def reference(side: Side) -> tuple[list[int], torch.Tensor]:
     threads = torch.get_num_threads()
     try:
         one = Side(side.family, side.layout, side.block, 1, side.block_1)
-        model = TinyDecoder(one.shape(), side.layout, allocate_cache(one.shape().spec(), side.layout, NUM_BLOCKS))
+        name, order = split_choice(side.layout)
+        model = TinyDecoder(one.shape(), side.layout,
+                            allocate_cache(one.shape().spec(), name, NUM_BLOCKS, order=order))
         table = one.table(99, len(PROMPT) + STEPS)
         last = model.forward(PROMPT, 0, table)[-1]
         tokens, logits = model.decode(int(last.argmax()), len(PROMPT), STEPS, table)
@@ -148,7 +151,7 @@ def check(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, push_
     assert torch.equal(logits, want_logits), (logits - want_logits).abs().max()
 
 
-GQA, MLA = Side("gqa", "gqa_fused"), Side("mla", "mla_fused")
+GQA, MLA = Side("gqa", "packed_kv"), Side("mla", "mla_fused")
 MODES = ("pull", "push", "layerwise")
 ENGINES = ("mooncake", "nixl")
 
@@ -167,12 +170,12 @@ def test_a_push_registered_after_the_prefill_finished_still_lands(pool: Pool, en
 
 HETERO = {
     "tp1-to-tp2-split_kv": (Side("gqa", "split_kv"), Side("gqa", "split_kv", tp=2)),
-    "tp2-to-tp1-hnd": (Side("gqa", "hnd", tp=2), Side("gqa", "hnd")),
+    "tp2-to-tp1-hnd": (Side("gqa", "packed_kv@HND", tp=2), Side("gqa", "packed_kv@HND")),
     "tp2-to-tp1-split_kv": (Side("gqa", "split_kv", tp=2), Side("gqa", "split_kv")),
     "mla-replicated-tp2-to-tp2": (Side("mla", "mla_fused", tp=2), Side("mla", "mla_fused", tp=2)),
     "bs16-to-bs32": (Side("gqa", "split_kv", 16), Side("gqa", "split_kv", 32)),
     "bs32-to-bs16": (Side("gqa", "split_kv", 32), Side("gqa", "split_kv", 16)),
-    "two-groups": (Side("gqa", "gqa_fused", 16, block_1=32), Side("gqa", "split_kv", 16, block_1=32)),
+    "two-groups": (Side("gqa", "packed_kv", 16, block_1=32), Side("gqa", "split_kv", 16, block_1=32)),
     "mla-fused-to-split": (Side("mla", "mla_fused"), Side("mla", "mla_split")),
     "mla-split-to-fused": (Side("mla", "mla_split", 32), Side("mla", "mla_fused", 16)),
 }

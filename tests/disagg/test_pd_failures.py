@@ -60,7 +60,7 @@ def big_config(role: str, engine: str, **extra: object) -> dict[str, object]:
 def test_pull_survives_prefill_crash_without_leaking_blocks(worker: FramedProcess, engine: str, moment: str) -> None:
     """A prefill that dies before the READ fails the request; one that dies during it either fails it or, when the
     READ beat the kill on loopback, completes it. Either way the outcome comes within a bound and no block leaks."""
-    reply = worker.ask(cmd="setup_cache", role="prefill", spec=msgspec.msgpack.encode(BIG), layout="gqa_fused",
+    reply = worker.ask(cmd="setup_cache", role="prefill", spec=msgspec.msgpack.encode(BIG), layout="packed_kv",
                        num_blocks=BIG_BLOCKS, seed=5, config=big_config("prefill", engine))
     assert "error" not in reply, reply
     table = list(range(3, 3 + BIG_TOKENS // 16))
@@ -97,7 +97,7 @@ def test_push_survives_decode_crash_without_leaking_blocks(worker: FramedProcess
     prefill = make("prefill", BIG, num_blocks=BIG_BLOCKS, seed=6, engine=engine, transfer_timeout_s=10.0,
                    lease_s=30.0)
     try:
-        reply = worker.ask(cmd="setup_cache", role="decode", spec=msgspec.msgpack.encode(BIG), layout="gqa_fused",
+        reply = worker.ask(cmd="setup_cache", role="decode", spec=msgspec.msgpack.encode(BIG), layout="packed_kv",
                            num_blocks=BIG_BLOCKS, seed=0, config=big_config("decode", engine, mode="push"))
         assert "error" not in reply, reply
         params = push_params(prefill.side.base_port, "big", prefill.side.config.engine_id)
@@ -183,12 +183,12 @@ def test_a_mismatched_model_fails_the_handshake_naming_the_field_before_any_byte
     decode = make("decode", decode_spec)
     try:
         params = prefill.side.request_finished("r", prefill.allocate(32), 32)
-        before = digest(decode.spec, decode.cache, "gqa_fused", {0: list(range(64))}, 64 * 16)
+        before = digest(decode.spec, decode.cache, "packed_kv", {0: list(range(64))}, 64 * 16)
         ids = decode.allocate(32)
         decode.side.start_pull("r", params, ids)
         done = decode.wait("r", 10.0)
         assert done.state == "failed" and field in done.reason and "local=" in done.reason, done.reason
-        assert digest(decode.spec, decode.cache, "gqa_fused", {0: list(range(64))}, 64 * 16) == before
+        assert digest(decode.spec, decode.cache, "packed_kv", {0: list(range(64))}, 64 * 16) == before
         decode.pool.free(ids)
         assert decode.whole
     finally:
@@ -200,7 +200,7 @@ def test_malformed_oversized_and_unknown_messages_are_dropped_and_the_listener_k
     prefill = make("prefill", small_spec(), max_message_bytes=64 * 1024)
     context = zmq.Context()
     sock = raw_decode_socket(prefill, context)
-    decode_kv = LocalKV(prefill.side.backend, small_spec(), allocate_cache(small_spec(), "gqa_fused", 8),
+    decode_kv = LocalKV(prefill.side.backend, small_spec(), allocate_cache(small_spec(), "packed_kv", 8),
                         DisaggConfig("raw-decode", transport="mooncake"), "decode")
     try:
         sock.send(b"\x00garbage\xff")
@@ -238,8 +238,8 @@ def test_a_restarted_prefill_is_handshaken_again_and_old_parameters_fail_cleanly
             ids_b = decode.allocate(48)
             decode.side.start_pull("b", new, ids_b)
             assert decode.wait("b").state == "done"
-            assert digest(spec, decode.cache, "gqa_fused", {0: ids_b}, 48) == \
-                digest(spec, second.cache, "gqa_fused", {0: table}, 48)
+            assert digest(spec, decode.cache, "packed_kv", {0: ids_b}, 48) == \
+                digest(spec, second.cache, "packed_kv", {0: table}, 48)
             stale = msgspec.structs.replace(old, remote_request_id="a2")
             ids_c = decode.allocate(32)
             decode.side.start_pull("c", stale, ids_c)
@@ -265,8 +265,8 @@ def test_an_abort_during_a_pull_holds_the_blocks_until_the_read_has_drained(engi
         done = decode.wait("r")
         assert decode.side.transfers_in_flight() == 0  # reported only once nothing can write the blocks
         if done.state == "done":  # the READ beat the abort to the I/O loop (NIXL on loopback can): then it is whole
-            assert digest(BIG, decode.cache, "gqa_fused", {0: ids}, BIG_TOKENS) == \
-                digest(BIG, prefill.cache, "gqa_fused", {0: p_ids}, BIG_TOKENS)
+            assert digest(BIG, decode.cache, "packed_kv", {0: ids}, BIG_TOKENS) == \
+                digest(BIG, prefill.cache, "packed_kv", {0: p_ids}, BIG_TOKENS)
             assert prefill.wait("r").state == "done"
         else:
             assert done.state == "failed" and "aborted" in done.reason, done
@@ -372,8 +372,8 @@ def test_200_concurrent_requests_of_mixed_lengths_all_finish_without_leaking(eng
                 prefill.side.request_finished(r, p_ids[r], n)
         for r, n in zip(names, lengths):
             assert decode.wait(r, 60).state == "done", decode.done[r]
-            assert digest(spec, decode.cache, "gqa_fused", {0: d_ids[r]}, n) == \
-                digest(spec, prefill.cache, "gqa_fused", {0: p_ids[r]}, n), r
+            assert digest(spec, decode.cache, "packed_kv", {0: d_ids[r]}, n) == \
+                digest(spec, prefill.cache, "packed_kv", {0: p_ids[r]}, n), r
             decode.pool.free(d_ids[r])
         for r in names:
             assert prefill.wait(r, 30).state == "done"

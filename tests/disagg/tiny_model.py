@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from kvref import split_choice
 
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
@@ -48,10 +49,13 @@ class Shape:
 def slot_views(layout: str, value: LayerValue, kv_lora: int = KV_LORA) -> dict[str, torch.Tensor]:
     """Per slot, a ``(blocks, tokens_per_block, heads, dim)`` view of an engine layout's tensors (writes go
     through to the cache)."""
-    if layout in ("gqa_fused", "split_kv"):
+    layout = split_choice(layout)[0]
+    if layout == "packed_kv":  # logical (nb, heads, bs, 2*dim), whatever the memory order
+        rows = value.permute(0, 2, 1, 3)  # type: ignore[union-attr]
+        d = rows.shape[-1] // 2
+        return {"k": rows[..., :d], "v": rows[..., d:]}
+    if layout in ("kv_first", "split_kv"):
         return {"k": value[0], "v": value[1]}  # type: ignore[index]
-    if layout == "hnd":
-        return {"k": value[0].permute(0, 2, 1, 3), "v": value[1].permute(0, 2, 1, 3)}  # type: ignore[index]
     if layout == "mla_fused":
         rows = value.unsqueeze(2)  # type: ignore[union-attr]
         return {"kv_c": rows[..., :kv_lora], "k_pe": rows[..., kv_lora:]}

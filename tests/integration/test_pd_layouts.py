@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from kvref import canonical
+from kvref import canonical, split_choice
 
 from kvplane.backend import get_backend
 from kvplane.bench.peer import CacheConfig, KVBuffer, PeerConfig, PeerProcess
@@ -45,17 +45,25 @@ class Side:
     tp: int = 1
     rank: int = 0
 
+    @property
+    def name(self) -> str:
+        return split_choice(self.layout)[0]
+
+    @property
+    def order(self) -> str:
+        return split_choice(self.layout)[1]
+
     def config(self, seed: int) -> CacheConfig:
         spec = spec_for(self.family, self.tp, self.block)
-        return CacheConfig(spec, self.layout, NUM_BLOCKS, seed, self.rank, self.tp, "prefill")
+        return CacheConfig(spec, self.name, NUM_BLOCKS, seed, self.rank, self.tp, "prefill", self.order)
 
 
-GQA, MLA = ("gqa_fused", "split_kv", "hnd"), ("mla_fused", "mla_split")
+GQA, MLA = ("packed_kv", "packed_kv@HND", "kv_first", "split_kv"), ("mla_fused", "mla_split")
 SOURCES = (
     [Side("gqa", a) for a in GQA]
     + [Side("mla", a) for a in MLA]
-    + [Side("gqa", "split_kv", 32), Side("gqa", "hnd", 32)]
-    + [Side("gqa", a, 16, 2, r) for a in ("split_kv", "hnd") for r in (0, 1)]
+    + [Side("gqa", "split_kv", 32), Side("gqa", "packed_kv@HND", 32)]
+    + [Side("gqa", a, 16, 2, r) for a in ("packed_kv", "packed_kv@HND") for r in (0, 1)]
 )
 SEED = {side: 100 + i for i, side in enumerate(SOURCES)}
 
@@ -112,7 +120,7 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def regenerate(side: Side) -> KVBuffer:
     """The source rank's cache, rebuilt here from its seed: the reference the transfer must reproduce."""
-    kv = KVBuffer(spec_for(side.family, side.tp, side.block), side.layout, NUM_BLOCKS, cpu.alloc_host)
+    kv = KVBuffer(spec_for(side.family, side.tp, side.block), side.name, NUM_BLOCKS, cpu.alloc_host, side.order)
     kv.fill(SEED[side])
     return kv
 
@@ -127,7 +135,7 @@ def read_into(
     rig.transport.transfer(rig.handle, "READ", tp.plan)
     for staged in tp.staged:
         layer = dst_kv.spec.layer(staged.layer_name)
-        apply_relayout(staged, staging, layer, get_layout(dst_kv.layout), dst_kv.cache[staged.layer_name])
+        apply_relayout(staged, staging, layer, get_layout(str(dst_kv.layout)), dst_kv.cache[staged.layer_name])
 
 
 def ids(block: int, seed: int) -> np.ndarray:
@@ -142,8 +150,8 @@ PAIRS = (
         (Side("gqa", "split_kv", 32), Side("gqa", "split_kv", 16)),
     ]
     + [
-        (Side("gqa", "hnd", 16), Side("gqa", "hnd", 32)),
-        (Side("gqa", "hnd", 32), Side("gqa", "gqa_fused", 16)),
+        (Side("gqa", "packed_kv@HND", 16), Side("gqa", "packed_kv@HND", 32)),
+        (Side("gqa", "packed_kv@HND", 32), Side("gqa", "packed_kv", 16)),
     ]
 )
 
@@ -152,7 +160,7 @@ PAIRS = (
     "src,dst", PAIRS, ids=[f"{s.layout}{s.block}-to-{d.layout}{d.block}" for s, d in PAIRS]
 )
 def test_read_lands_every_token_for_each_layout_and_block_size_pair(rig: Rig, src: Side, dst: Side) -> None:
-    dst_kv = KVBuffer(spec_for(dst.family, dst.tp, dst.block), dst.layout, NUM_BLOCKS, rig.arena.take)
+    dst_kv = KVBuffer(spec_for(dst.family, dst.tp, dst.block), dst.name, NUM_BLOCKS, rig.arena.take, dst.order)
     dst_kv.fill(999)
     src_ids, dst_ids = ids(src.block, 1), ids(dst.block, 2)
     read_into(rig, src, dst_kv, dst_kv.manifest("decode", 0, 1, "cpu"), src_ids, dst_ids)
@@ -164,7 +172,7 @@ def test_read_lands_every_token_for_each_layout_and_block_size_pair(rig: Rig, sr
             assert_same_bits(got[slot], want[slot])
 
 
-@pytest.mark.parametrize("layout", ["hnd", "split_kv"])  # head-major moves directly, token-major is staged
+@pytest.mark.parametrize("layout", ["packed_kv@HND", "packed_kv"])  # head-major moves directly, token-major is staged
 @pytest.mark.parametrize("src_tp,dst_tp", [(1, 2), (2, 1)])
 def test_heterogeneous_tp_read_gives_each_decode_rank_its_heads(
     rig: Rig, layout: str, src_tp: int, dst_tp: int
@@ -175,7 +183,8 @@ def test_heterogeneous_tp_read_gives_each_decode_rank_its_heads(
     src_ids = ids(16, 3)
     refs = [regenerate(s) for s in sources]
     for d in range(dst_tp):
-        dst_kv = KVBuffer(spec_for("gqa", dst_tp, 16), layout, NUM_BLOCKS, rig.arena.take)
+        dst_kv = KVBuffer(spec_for("gqa", dst_tp, 16), *split_choice(layout)[:1], NUM_BLOCKS, rig.arena.take,
+                          split_choice(layout)[1])
         dst_kv.fill(500 + d)
         manifest = dst_kv.manifest("decode", d, dst_tp, "cpu")
         dst_ids = ids(16, 4 + d)
@@ -205,7 +214,7 @@ def test_heterogeneous_tp_read_gives_each_decode_rank_its_heads(
     ],
 )
 def test_write_into_the_peer_matches_the_same_plan_run_locally(rig: Rig, src: Side, dst: Side) -> None:
-    local = KVBuffer(spec_for(src.family, src.tp, src.block), src.layout, NUM_BLOCKS, rig.arena.take)
+    local = KVBuffer(spec_for(src.family, src.tp, src.block), src.name, NUM_BLOCKS, rig.arena.take, src.order)
     local.fill(777)
     local_manifest = local.manifest("prefill", 0, 1, "cpu")
     peer_side = next(

@@ -17,7 +17,7 @@ class FakeBackend(Backend):
     collective_backend = "gloo"
     mooncake_protocol = "tcp"
     nixl_memory_type = "DRAM"
-    layouts: ClassVar[dict[str, str]] = {"gqa": "gqa_fused"}
+    layouts: ClassVar[dict[str, str]] = {"gqa": "packed_kv"}
     available: ClassVar[bool] = True
     reason: ClassVar[str] = "fake device present"
     emulated_probe: ClassVar[bool] = False

@@ -17,7 +17,7 @@ from kvplane.backend import get_backend
 from kvplane.backend.cpu.backend import CpuBackend
 from kvplane.backend.cpu.memcpy import PARALLEL_MIN_BYTES
 from kvplane.backend.cpu.streams import CpuEvent, HostStream, WorkerStream
-from kvplane.descriptors import CopyPlan, Region
+from kvplane.descriptors import CopyPlan, Region, SlotPart
 from kvplane.errors import BackendError, PlanError
 from kvplane.kv.binding import allocate_cache, regions_from_tensors
 from kvplane.kv.spec import KVSpec
@@ -25,7 +25,7 @@ from kvplane.plan import block_copy_plan
 
 I64 = np.int64
 NB_SRC, NB_DST, BS = 10, 8, 4
-BLOCK_DIM = {"gqa_fused": 1, "split_kv": 0, "hnd": 0, "mla_fused": 0, "mla_split": 0}
+BLOCK_DIM = {"packed_kv": 0, "kv_first": 1, "block_kv": 0, "split_kv": 0, "mla_fused": 0, "mla_split": 0}
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +134,14 @@ def test_scattered_blocks_copied_now_equal_torch_indexing(
 def test_work_on_the_current_host_stream_is_done_on_return(
     backend: CpuBackend, rng: np.random.Generator
 ) -> None:
-    _, dst, p, expected = setup_copy("gqa_fused", rng)
+    _, dst, p, expected = setup_copy("packed_kv", rng)
     stream = backend.current_stream()
     backend.execute(p, stream)
     assert stream.query()
     assert_cache_equals(dst, expected)
 
 
-@pytest.mark.parametrize("layout", ["gqa_fused", "mla_split"])
+@pytest.mark.parametrize("layout", ["packed_kv", "mla_split"])
 def test_a_plan_on_a_worker_stream_is_done_once_an_event_after_it_completes(
     backend: CpuBackend, layout: str, rng: np.random.Generator
 ) -> None:
@@ -160,19 +160,19 @@ def test_a_plan_on_a_worker_stream_is_done_once_an_event_after_it_completes(
 def test_two_plans_on_one_stream_writing_the_same_blocks_leave_the_later_ones_bytes(
     backend: CpuBackend, gate: threading.Event, rng: np.random.Generator
 ) -> None:
-    spec = spec_for("gqa_fused")
-    first, second = random_cache(spec, "gqa_fused", NB_SRC), random_cache(spec, "gqa_fused", NB_SRC)
-    dst = random_cache(spec, "gqa_fused", NB_DST)
-    dst_regions = regions_from_tensors(spec, dst, "gqa_fused")
+    spec = spec_for("packed_kv")
+    first, second = random_cache(spec, "packed_kv", NB_SRC), random_cache(spec, "packed_kv", NB_SRC)
+    dst = random_cache(spec, "packed_kv", NB_DST)
+    dst_regions = regions_from_tensors(spec, dst, "packed_kv")
     src_ids, dst_ids = rng.integers(0, NB_SRC, 5), rng.permutation(NB_DST)[:5]
     stream = backend.new_stream()
     stream.submit(gate.wait)  # hold the stream so both plans are queued before either runs
     for src in (first, second):
         backend.execute(
-            block_copy_plan(regions_from_tensors(spec, src, "gqa_fused"), src_ids, dst_regions, dst_ids),
+            block_copy_plan(regions_from_tensors(spec, src, "packed_kv"), src_ids, dst_regions, dst_ids),
             stream,
         )
-    expected = torch_copy("gqa_fused", second, dst, src_ids, dst_ids)
+    expected = torch_copy("packed_kv", second, dst, src_ids, dst_ids)
     gate.set()
     stream.synchronize()
     assert_cache_equals(dst, expected)
@@ -371,15 +371,15 @@ def test_alloc_host_gives_a_writable_uint8_tensor_of_that_size(backend: CpuBacke
 
 
 def test_alloc_host_can_back_a_whole_kv_cache(backend: CpuBackend, rng: np.random.Generator) -> None:
-    spec = spec_for("gqa_fused")
-    src = random_cache(spec, "gqa_fused", NB_SRC)
-    host = allocate_cache(spec, "gqa_fused", NB_SRC, alloc=backend.alloc_host)
+    spec = spec_for("packed_kv")
+    src = random_cache(spec, "packed_kv", NB_SRC)
+    host = allocate_cache(spec, "packed_kv", NB_SRC, alloc=backend.alloc_host)
     ids = rng.permutation(NB_SRC)
     backend.execute(
         block_copy_plan(
-            regions_from_tensors(spec, src, "gqa_fused"),
+            regions_from_tensors(spec, src, "packed_kv"),
             ids,
-            regions_from_tensors(spec, host, "gqa_fused"),
+            regions_from_tensors(spec, host, "packed_kv"),
             ids,
         )
     )
@@ -389,7 +389,8 @@ def test_alloc_host_can_back_a_whole_kv_cache(backend: CpuBackend, rng: np.rando
 # -- registration spans --------------------------------------------------------------------------------------
 def region(addr: int, num_blocks: int = 4, block_bytes: int = 100, stride: int | None = None) -> Region:
     return Region(
-        0, 0, "layers.0", "k", addr, num_blocks, stride or block_bytes, block_bytes, BS, 1, block_bytes // BS
+        0, 0, "layers.0", addr, num_blocks, stride or block_bytes, block_bytes, BS, 1, block_bytes // BS,
+        (SlotPart("k", 0, block_bytes // BS),),
     )
 
 
@@ -409,24 +410,24 @@ def test_registration_spans_of_no_regions_are_empty(backend: CpuBackend) -> None
     assert backend.registration_spans([]) == []
 
 
-def test_a_gqa_fused_cache_carved_from_one_buffer_registers_as_one_span(backend: CpuBackend) -> None:
-    spec = spec_for("gqa_fused")
+def test_a_packed_kv_cache_carved_from_one_buffer_registers_as_one_span(backend: CpuBackend) -> None:
+    spec = spec_for("packed_kv")
     held: list[torch.Tensor] = []
 
     def alloc(n: int) -> torch.Tensor:
         held.append(backend.alloc_host(n))
         return held[-1]
 
-    regions = regions_from_tensors(spec, allocate_cache(spec, "gqa_fused", NB_SRC, alloc=alloc), "gqa_fused")
-    assert len(regions) == 4
+    regions = regions_from_tensors(spec, allocate_cache(spec, "packed_kv", NB_SRC, alloc=alloc), "packed_kv")
+    assert len(regions) == 2  # one per layer: K and V share each row
     assert backend.registration_spans(regions) == [(held[0].data_ptr(), held[0].numel())]
 
 
-def test_a_fused_gqa_tensor_registers_k_and_v_as_one_span(backend: CpuBackend) -> None:
-    spec = spec_for("gqa_fused")
+def test_a_kv_first_tensor_registers_k_and_v_as_one_span(backend: CpuBackend) -> None:
+    spec = spec_for("kv_first")
     t = torch.zeros(2, NB_SRC, BS, 2, 8, dtype=torch.bfloat16)
     other = torch.zeros(2, NB_SRC, BS, 2, 8, dtype=torch.bfloat16)
-    regions = regions_from_tensors(spec, {"layers.0": t, "layers.1": other}, "gqa_fused")
+    regions = regions_from_tensors(spec, {"layers.0": t, "layers.1": other}, "kv_first")
     spans = backend.registration_spans(regions[:2])
     assert spans == [(t.data_ptr(), t.numel() * t.element_size())]
 

@@ -145,7 +145,7 @@ def test_staging_more_than_the_arena_is_an_error_naming_the_setting() -> None:
 
 def test_a_tp_prefill_without_a_base_port_is_refused_before_binding() -> None:
     spec = KVSpec.gqa(2, 4, 32, tokens_per_block=16, dtype="float32")
-    cache = allocate_cache(spec, "gqa_fused", 4)
+    cache = allocate_cache(spec, "packed_kv", 4)
     with pytest.raises(DisaggConfigError, match=r"port=0 with tp_size=2.*fixed base port"):
         PrefillSide(get_backend("cpu"), spec, cache, DisaggConfig(engine_id="p", rank=1, tp_size=2),
-                    layouts="gqa_fused")
+                    layouts="packed_kv")

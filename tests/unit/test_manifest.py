@@ -50,13 +50,13 @@ def hybrid() -> KVSpec:
 @pytest.mark.parametrize(
     "spec, layout",
     [
-        (gqa(), "gqa_fused"),
-        (gqa(), "hnd"),
+        (gqa(), "packed_kv"),
+        (gqa(), "kv_first"),
         (mla(), "mla_fused"),
         (mla(), "mla_split"),
         (hybrid(), "split_kv"),
     ],
-    ids=["gqa_fused", "hnd", "mla_fused", "mla_split", "hybrid"],
+    ids=["packed_kv", "kv_first", "mla_fused", "mla_split", "hybrid"],
 )
 def test_encode_then_decode_gives_an_equal_manifest_with_the_same_fingerprint(
     spec: KVSpec, layout: str
@@ -75,7 +75,7 @@ def test_the_wire_format_is_msgpack_and_never_touches_pickle(monkeypatch: pytest
 
     for name in ("dumps", "loads", "dump", "load"):
         monkeypatch.setattr(pickle, name, forbidden)
-    m = manifest(gqa(), "gqa_fused")
+    m = manifest(gqa(), "packed_kv")
     data = m.encode()
     assert not data.startswith(b"\x80")  # every pickle protocol >= 2 opens with PROTO
     plain = msgspec.msgpack.decode(data)  # a plain msgpack map, readable without kvplane
@@ -94,7 +94,7 @@ def test_regions_of_returns_a_layers_regions_in_slot_order() -> None:
 
 # -- fingerprint ---------------------------------------------------------------------------------------------
 def test_fingerprint_ignores_rank_engine_device_and_layout() -> None:
-    a = manifest(gqa(), "gqa_fused", rank=0, engine_id="prefill-0", device_type="cuda")
+    a = manifest(gqa(), "packed_kv", rank=0, engine_id="prefill-0", device_type="cuda")
     b = manifest(gqa(), "split_kv", rank=5, engine_id="decode-3", device_type="npu")
     assert a.fingerprint == b.fingerprint
     check_compatible(a, b)
@@ -102,8 +102,8 @@ def test_fingerprint_ignores_rank_engine_device_and_layout() -> None:
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
 def test_fingerprint_is_equal_across_tp_sizes_when_heads_times_tp_is_equal(tp_size: int) -> None:
-    whole = manifest(gqa(heads=8), "gqa_fused", tp_size=1)
-    sliced = manifest(gqa(heads=8 // tp_size), "gqa_fused", tp_size=tp_size, rank=tp_size - 1)
+    whole = manifest(gqa(heads=8), "packed_kv", tp_size=1)
+    sliced = manifest(gqa(heads=8 // tp_size), "packed_kv", tp_size=tp_size, rank=tp_size - 1)
     assert sliced.fingerprint == whole.fingerprint
     check_compatible(whole, sliced)
     check_compatible(sliced, whole)
@@ -124,30 +124,30 @@ def test_block_size_may_differ_between_compatible_sides() -> None:
 
 def test_fingerprint_differs_between_different_models() -> None:
     prints = {
-        manifest(gqa(), "gqa_fused").fingerprint,
-        manifest(gqa(head_dim=32), "gqa_fused").fingerprint,
-        manifest(gqa(layers=3), "gqa_fused").fingerprint,
-        manifest(gqa(dtype="float16"), "gqa_fused").fingerprint,
+        manifest(gqa(), "packed_kv").fingerprint,
+        manifest(gqa(head_dim=32), "packed_kv").fingerprint,
+        manifest(gqa(layers=3), "packed_kv").fingerprint,
+        manifest(gqa(dtype="float16"), "packed_kv").fingerprint,
         manifest(mla(), "mla_fused").fingerprint,
-        manifest(hybrid(), "gqa_fused").fingerprint,
+        manifest(hybrid(), "packed_kv").fingerprint,
     }
     assert len(prints) == 6
     assert all(isinstance(p, str) and len(p) == 16 for p in prints)
 
 
 def test_a_patch_release_apart_is_compatible_a_minor_release_is_not() -> None:
-    base = manifest(gqa(), "gqa_fused", version="0.3.1")
-    check_compatible(base, manifest(gqa(), "gqa_fused", version="0.3.7+local"))
+    base = manifest(gqa(), "packed_kv", version="0.3.1")
+    check_compatible(base, manifest(gqa(), "packed_kv", version="0.3.7+local"))
     with pytest.raises(
         ManifestMismatch, match=r"'kvplane_version' differs: local='0\.3', remote='0\.4'"
     ) as info:
-        check_compatible(base, manifest(gqa(), "gqa_fused", version="0.4.0"))
+        check_compatible(base, manifest(gqa(), "packed_kv", version="0.4.0"))
     assert "same kvplane minor version" in str(info.value)
 
 
 # -- mismatches ----------------------------------------------------------------------------------------------
 def test_a_dtype_mismatch_names_the_field_and_both_dtypes() -> None:
-    local, remote = manifest(gqa(), "gqa_fused"), manifest(gqa(dtype="float16"), "gqa_fused")
+    local, remote = manifest(gqa(), "packed_kv"), manifest(gqa(dtype="float16"), "packed_kv")
     with pytest.raises(
         ManifestMismatch, match=r"'dtype' differs: local='bfloat16', remote='float16'"
     ) as info:
@@ -160,14 +160,14 @@ def test_gqa_against_mla_names_the_families() -> None:
     with pytest.raises(
         ManifestMismatch, match=r"'families' differs: local=\('gqa',\), remote=\('mla',\)"
     ) as info:
-        check_compatible(manifest(gqa(), "gqa_fused"), manifest(mla(), "mla_fused"))
+        check_compatible(manifest(gqa(), "packed_kv"), manifest(mla(), "mla_fused"))
     assert info.value.field == "families"
     assert "GQA vs MLA" in str(info.value)
 
 
 def test_a_layer_count_mismatch_names_both_counts() -> None:
     with pytest.raises(ManifestMismatch, match=r"'num_layers' differs: local=2, remote=3") as info:
-        check_compatible(manifest(gqa(), "gqa_fused"), manifest(gqa(layers=3), "gqa_fused"))
+        check_compatible(manifest(gqa(), "packed_kv"), manifest(gqa(layers=3), "packed_kv"))
     assert (info.value.local, info.value.remote) == (2, 3)
 
 
@@ -184,18 +184,18 @@ def test_a_head_dim_mismatch_names_the_layer_and_both_head_dims() -> None:
 def test_total_heads_that_differ_across_tp_are_a_mismatch() -> None:
     # 8 heads on each of 2 ranks is a 16-head model; it cannot exchange KV with an 8-head model.
     with pytest.raises(ManifestMismatch, match=r"layers\.0"):
-        check_compatible(manifest(gqa(heads=8), "gqa_fused", tp_size=2), manifest(gqa(heads=8), "gqa_fused"))
+        check_compatible(manifest(gqa(heads=8), "packed_kv", tp_size=2), manifest(gqa(heads=8), "packed_kv"))
 
 
 def test_hybrid_against_single_group_names_the_groups() -> None:
     one_group = gqa(layers=4)
     with pytest.raises(ManifestMismatch, match=r"'groups' differs: local=\(0, 1\), remote=\(0,\)"):
-        check_compatible(manifest(hybrid(), "gqa_fused"), manifest(one_group, "gqa_fused"))
+        check_compatible(manifest(hybrid(), "packed_kv"), manifest(one_group, "packed_kv"))
 
 
 def test_a_mismatch_is_a_value_error_and_a_kvplane_error() -> None:
     with pytest.raises(ManifestMismatch) as info:
-        check_compatible(manifest(gqa(), "gqa_fused"), manifest(mla(), "mla_fused"))
+        check_compatible(manifest(gqa(), "packed_kv"), manifest(mla(), "mla_fused"))
     assert isinstance(info.value, ValueError) and isinstance(info.value, KvplaneError)
 
 
@@ -211,7 +211,7 @@ def test_bytes_that_are_not_a_manifest_raise_manifest_decode_error(data: bytes) 
 
 
 def test_a_truncated_manifest_raises_manifest_decode_error() -> None:
-    data = manifest(gqa(), "gqa_fused").encode()
+    data = manifest(gqa(), "packed_kv").encode()
     with pytest.raises(ManifestDecodeError, match="truncated"):
         Manifest.decode(data[: len(data) // 2])
 
@@ -228,21 +228,21 @@ def test_a_pickle_is_not_a_manifest() -> None:
 
 
 def test_a_manifest_whose_spec_is_invalid_raises_manifest_decode_error_naming_the_problem() -> None:
-    plain = msgspec.msgpack.decode(manifest(gqa(), "gqa_fused").encode())
+    plain = msgspec.msgpack.decode(manifest(gqa(), "packed_kv").encode())
     plain["spec"]["layers"][0]["slots"][0]["name"] = "q"
     with pytest.raises(ManifestDecodeError, match=r"slot name='q' is unknown"):
         Manifest.decode(msgspec.msgpack.encode(plain))
 
 
 def test_a_manifest_with_a_field_of_the_wrong_type_raises_manifest_decode_error() -> None:
-    plain = msgspec.msgpack.decode(manifest(gqa(), "gqa_fused").encode())
+    plain = msgspec.msgpack.decode(manifest(gqa(), "packed_kv").encode())
     plain["rank"] = "zero"
     with pytest.raises(ManifestDecodeError, match=r"rank"):
         Manifest.decode(msgspec.msgpack.encode(plain))
 
 
 def test_an_oversized_blob_is_refused_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = manifest(gqa(), "gqa_fused").encode()
+    data = manifest(gqa(), "packed_kv").encode()
     monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", len(data) - 1)
     with pytest.raises(ManifestDecodeError, match=rf"manifest of {len(data)} bytes exceeds {len(data) - 1}"):
         Manifest.decode(data)
@@ -257,7 +257,7 @@ def test_any_bytes_decode_to_a_manifest_or_raise_manifest_decode_error(data: byt
         pass
 
 
-_VALID = manifest(gqa(), "gqa_fused").encode()
+_VALID = manifest(gqa(), "packed_kv").encode()
 
 
 @settings(max_examples=300, deadline=None, database=None, derandomize=True)

@@ -33,7 +33,7 @@ def in_thread(fn: object) -> threading.Thread:
 
 @pytest.mark.parametrize(
     ("family", "layout"),
-    [("gqa", "gqa_fused"), ("gqa", "split_kv"), ("gqa", "hnd"), ("mla", "mla_fused"), ("mla", "mla_split")],
+    [("gqa", "packed_kv"), ("gqa", "split_kv"), ("gqa", "kv_first"), ("mla", "mla_fused"), ("mla", "mla_split")],
 )
 def test_blocks_stored_from_scattered_device_blocks_load_back_byte_exactly_in_every_layout(
     family: str, layout: str
@@ -74,7 +74,7 @@ def test_the_host_pool_never_takes_more_memory_than_configured() -> None:
 
 def test_a_host_budget_below_one_block_is_an_error_naming_the_field_and_the_minimum() -> None:
     spec = small_spec()
-    cache = allocate_cache(spec, "gqa_fused", 4)
+    cache = allocate_cache(spec, "packed_kv", 4)
     with pytest.raises(OffloadConfigError, match=r"host_bytes=100 .*host_bytes >= 384"):
         OffloadEngine(GatedCpu(), spec, cache, OffloadConfig(host_bytes=100))
 
@@ -207,7 +207,8 @@ def test_wait_for_layer_returns_while_the_next_layers_copy_is_still_held() -> No
     first = in_thread(lambda: [h.engine.wait_for_layer(n) for n in names[:2]])
     first.join(JOIN_S)
     assert not first.is_alive(), "wait_for_layer(1) waited for more than layer 1"
-    layer2 = h.slot_bytes(4)  # slots are (k, v) per layer in order: slot 4 is layer 2's k
+    per_layer = len(h.slots) // len(names)  # slots are in layer order
+    layer2 = h.slot_bytes(2 * per_layer)  # layer 2's first slot
     assert not layer2[5].any(), "layer 2 was copied although its copy is held"
     third = in_thread(lambda: h.engine.wait_for_layer(names[2]))
     third.join(0.05)
@@ -294,7 +295,7 @@ def test_hybrid_models_key_each_group_on_its_own() -> None:
     h.engine.start_load("l", hashes, {0: [10, 11, 12, 13], 1: [14, 15]})
     h.engine.wait_idle()
     for layer_slot, st in enumerate(h.slots):
-        group = spec.layers[layer_slot // 2].group_id
+        group = spec.layers[layer_slot // (len(h.slots) // len(spec.layers))].group_id
         src, dst = ids[group], {0: [10, 11, 12, 13], 1: [14, 15]}[group]
         rows = h.slot_bytes(layer_slot)
         assert bool((rows[src] == rows[dst]).all())

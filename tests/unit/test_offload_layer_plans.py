@@ -11,7 +11,7 @@ from kvplane.flows.offload.layer_plans import LayerPlanner
 from kvplane.kv.spec import KVSpec
 from kvplane.plan.local import block_copy_plan
 
-LAYOUTS = [("gqa", "gqa_fused"), ("gqa", "split_kv"), ("gqa", "hnd"), ("mla", "mla_fused"), ("mla", "mla_split")]
+LAYOUTS = [("gqa", "packed_kv"), ("gqa", "split_kv"), ("gqa", "kv_first"), ("mla", "mla_fused"), ("mla", "mla_split")]
 
 
 def harness(family: str, layout: str) -> Harness:
@@ -46,7 +46,7 @@ def test_every_layers_plan_equals_block_copy_plan(family: str, layout: str, ids:
 
 
 def test_out_of_range_ids_and_unpaired_counts_are_plan_errors() -> None:
-    h = harness("gqa", "gqa_fused")
+    h = harness("gqa", "packed_kv")
     c = h.engine.copier
     planner = LayerPlanner(h.spec.layer_names, c.device_regions, c.host_regions)
     with pytest.raises(PlanError, match="destination block id 32 is out of range"):

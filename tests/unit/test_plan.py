@@ -194,7 +194,7 @@ def test_the_two_sides_are_checked_separately() -> None:
 
 # -- block copy plans between two caches ---------------------------------------------------------------------
 SRC_NB, DST_NB, BS = 9, 7, 4
-BLOCK_DIM = {"gqa_fused": 1, "split_kv": 0, "hnd": 0, "mla_fused": 0, "mla_split": 0}
+BLOCK_DIM = {"packed_kv": 0, "kv_first": 1, "block_kv": 0, "split_kv": 0, "mla_fused": 0, "mla_split": 0}
 
 
 def spec_for(layout: str, heads: int = 2) -> KVSpec:
@@ -251,15 +251,15 @@ def test_consecutive_block_ids_coalesce_to_one_descriptor_per_region() -> None:
 
 
 def test_copying_a_whole_cache_carved_from_one_buffer_is_one_descriptor() -> None:
-    spec = spec_for("gqa_fused")
+    spec = spec_for("packed_kv")
     bufs = [torch.empty(1, dtype=torch.uint8)]
 
     def alloc(n: int) -> torch.Tensor:
         bufs.append(torch.empty(n, dtype=torch.uint8))
         return bufs[-1]
 
-    a = regions_from_tensors(spec, allocate_cache(spec, "gqa_fused", SRC_NB, alloc=alloc), "gqa_fused")
-    b = regions_from_tensors(spec, allocate_cache(spec, "gqa_fused", SRC_NB, alloc=alloc), "gqa_fused")
+    a = regions_from_tensors(spec, allocate_cache(spec, "packed_kv", SRC_NB, alloc=alloc), "packed_kv")
+    b = regions_from_tensors(spec, allocate_cache(spec, "packed_kv", SRC_NB, alloc=alloc), "packed_kv")
     p = block_copy_plan(a, np.arange(SRC_NB), b, np.arange(SRC_NB))
     assert len(p) == 1
     assert (int(p.src[0]), int(p.dst[0]), p.total_bytes) == (
@@ -270,18 +270,18 @@ def test_copying_a_whole_cache_carved_from_one_buffer_is_one_descriptor() -> Non
 
 
 def test_no_block_ids_give_an_empty_plan() -> None:
-    _, _, _, src_regions, dst_regions = caches("gqa_fused")
+    _, _, _, src_regions, dst_regions = caches("packed_kv")
     assert len(block_copy_plan(src_regions, [], dst_regions, [])) == 0
 
 
 def test_unequal_block_id_counts_raise_naming_both_counts() -> None:
-    _, _, _, src_regions, dst_regions = caches("gqa_fused")
+    _, _, _, src_regions, dst_regions = caches("packed_kv")
     with pytest.raises(PlanError, match=r"3 source block ids but 2 destination ids"):
         block_copy_plan(src_regions, [0, 1, 2], dst_regions, [0, 1])
 
 
 def test_unequal_region_counts_raise_naming_both_counts() -> None:
-    _, _, _, src_regions, dst_regions = caches("gqa_fused")
+    _, _, _, src_regions, dst_regions = caches("packed_kv")
     with pytest.raises(
         PlanError, match=rf"{len(src_regions)} source regions but {len(dst_regions) - 1} destination"
     ):
@@ -293,13 +293,13 @@ def test_regions_whose_blocks_differ_in_size_raise_naming_layer_slot_and_sizes()
     wide = spec_for("split_kv", heads=4)
     dst_regions = regions_from_tensors(wide, allocate_cache(wide, "split_kv", DST_NB), "split_kv")
     a, b = src_regions[0].block_bytes, dst_regions[0].block_bytes
-    with pytest.raises(PlanError, match=rf"layer 'layers\.0' slot 'k': block bytes differ \({a} vs {b}\)"):
+    with pytest.raises(PlanError, match=rf"layer 'layers\.0' slot 'k': blocks differ \({a} B NHD rows .* vs {b} B"):
         block_copy_plan(src_regions, [0], dst_regions, [0])
 
 
 @pytest.mark.parametrize("side", ["src", "dst"])
 def test_an_out_of_range_block_id_raises_naming_it(side: str) -> None:
-    _, _, _, src_regions, dst_regions = caches("gqa_fused")
+    _, _, _, src_regions, dst_regions = caches("packed_kv")
     src_ids, dst_ids = [0, 1], [0, 1]
     bad = SRC_NB if side == "src" else DST_NB
     (src_ids if side == "src" else dst_ids)[1] = bad

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvref import canonical
+from kvref import canonical, split_choice
 
 from kvplane.backend import get_backend
 from kvplane.errors import PlanError
@@ -35,15 +35,16 @@ class Rank:
         else:
             self.spec = KVSpec.mla(LAYERS, kv_lora_rank=16, rope_dim=4, tokens_per_block=block, dtype="float32")
         self.layout, self.tp, self.rank, self.block = layout, tp, rank, block
-        self.cache = allocate_cache(self.spec, layout, num_blocks)
+        name, order = split_choice(layout)
+        self.cache = allocate_cache(self.spec, name, num_blocks, order=order)
         gen = torch.Generator().manual_seed(seed)
         for v in self.cache.values():
             for t in (v,) if isinstance(v, torch.Tensor) else v:
                 t.copy_(torch.randn(t.shape, generator=gen))
         self.manifest = Manifest(
             engine_id=f"e{seed}", rank=rank, tp_size=tp, device_type="cpu", spec=self.spec,
-            layouts={self.spec.layers[0].family: layout},
-            regions=tuple(regions_from_tensors(self.spec, self.cache, layout)),
+            layouts={self.spec.layers[0].family: name},
+            regions=tuple(regions_from_tensors(self.spec, self.cache, name)),
         )
 
     def tokens(self, layer: str, ids: np.ndarray, n: int) -> dict[str, torch.Tensor]:
@@ -60,14 +61,14 @@ def move(src: Rank, dst: Rank, src_ids: np.ndarray, dst_ids: np.ndarray, n: int)
     cpu.execute(tp.plan)
     for staged in tp.staged:
         layer = dst.spec.layer(staged.layer_name)
-        apply_relayout(staged, staging, layer, get_layout(dst.layout), dst.cache[staged.layer_name])
+        apply_relayout(staged, staging, layer, get_layout(split_choice(dst.layout)[0]), dst.cache[staged.layer_name])
 
 
 def ids_for(n: int, block: int, num_blocks: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).choice(num_blocks, -(-n // block), replace=False).astype(np.int64)
 
 
-GQA_LAYOUTS = ["gqa_fused", "split_kv", "hnd"]
+GQA_LAYOUTS = ["packed_kv", "packed_kv@HND", "kv_first", "split_kv"]
 MLA_LAYOUTS = ["mla_fused", "mla_split"]
 
 
@@ -115,7 +116,7 @@ def test_heterogeneous_tp_fills_each_destination_rank_with_its_heads(layout: str
 
 
 def test_hnd_head_slices_move_directly_but_token_major_head_slices_are_staged() -> None:
-    for layout, staged in (("hnd", False), ("split_kv", True)):
+    for layout, staged in (("packed_kv@HND", False), ("packed_kv", True)):
         src, dst = Rank("gqa", layout, 1, 0, 16, 8, 1), Rank("gqa", layout, 2, 1, 16, 8, 2)
         ids = np.arange(3, dtype=np.int64)
         need = staging_bytes_needed(src.manifest, dst.manifest, {0: ids}, {0: ids}, {0: 48})

@@ -10,7 +10,7 @@ import itertools
 import pytest
 from kvplane_ascend.backend import AscendBackend
 
-from kvplane.descriptors import Region
+from kvplane.descriptors import Region, SlotPart
 from kvplane.errors import BackendError
 
 MiB = 1 << 20
@@ -24,14 +24,14 @@ def region(addr: int, nbytes: int, layer: int = 0, slot: str = "k") -> Region:
         group_id=0,
         layer=layer,
         layer_name=f"layers.{layer}",
-        slot=slot,
         addr=addr,
         num_blocks=16,
         block_stride=block,
         block_bytes=block,
         tokens_per_block=16,
         heads=1,
-        head_bytes=block // 16,
+        row_bytes=block // 16,
+        parts=(SlotPart(slot, 0, block // 16),),
     )
 
 

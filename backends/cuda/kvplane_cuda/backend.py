@@ -28,7 +28,7 @@ class CudaBackend(AcceleratorBackend):
     )
     mooncake_protocol = "rdma"  # registered with location "cuda:N" (Backend.mooncake_location)
     nixl_memory_type = "VRAM"
-    layouts: ClassVar[dict[str, str]] = {"gqa": "gqa_fused", "mla": "mla_fused", "index": "index"}
+    layouts: ClassVar[dict[str, str]] = {"gqa": "packed_kv", "mla": "mla_fused", "index": "index"}
     # cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind kind, cudaStream_t s)
     # from the libcudart torch has loaded. Every direction maps to cudaMemcpyDefault (4): with unified
     # addressing the runtime infers it from the pointers (the explicit kinds are H2H 0, H2D 1, D2H 2, D2D 3).

@@ -14,7 +14,7 @@ import torch
 from kvplane_cuda.backend import CudaBackend
 
 from kvplane.backend.registry import GROUP, BackendRegistry
-from kvplane.descriptors import CopyPlan, Region
+from kvplane.descriptors import CopyPlan, Region, SlotPart
 from kvplane.errors import BackendError, BackendUnavailable
 from kvplane.kv.layouts import LAYOUTS
 
@@ -45,7 +45,7 @@ def test_device_facts_match_vllm_on_cuda() -> None:
     assert CudaBackend.nixl_memory_type == "VRAM"
     assert CudaBackend.registration_alignment == 1
     assert CudaBackend.max_registered_regions is None
-    assert CudaBackend.layouts == {"gqa": "gqa_fused", "mla": "mla_fused", "index": "index"}
+    assert CudaBackend.layouts == {"gqa": "packed_kv", "mla": "mla_fused", "index": "index"}
     assert set(CudaBackend.layouts.values()) <= set(LAYOUTS)
 
 
@@ -121,7 +121,7 @@ def test_selecting_cuda_without_a_gpu_is_an_error_with_the_reason(monkeypatch: p
 
 def test_registration_spans_are_the_regions_merged_only_when_they_touch() -> None:
     def region(addr: int, nbytes: int) -> Region:
-        return Region(0, 0, "layers.0", "k", addr, 1, nbytes, nbytes, 16, 1, nbytes // 16)
+        return Region(0, 0, "layers.0", addr, 1, nbytes, nbytes, 16, 1, nbytes // 16, (SlotPart("k", 0, nbytes // 16),))
 
     base = 0x7F00_0000_0000
     spans = CudaBackend(0).registration_spans(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kvplane_mlu.backend import MluBackend
 
-from kvplane.descriptors import Region
+from kvplane.descriptors import Region, SlotPart
 
 
 def fake_torch_mlu(monkeypatch: pytest.MonkeyPatch, *, available: bool, count: int) -> None:
@@ -43,14 +43,14 @@ def region(addr: int, nbytes: int, layer: int) -> Region:
         group_id=0,
         layer=layer,
         layer_name=f"layers.{layer}",
-        slot="k",
         addr=addr,
         num_blocks=1,
         block_stride=nbytes,
         block_bytes=nbytes,
         tokens_per_block=16,
         heads=1,
-        head_bytes=nbytes // 16,
+        row_bytes=nbytes // 16,
+        parts=(SlotPart("k", 0, nbytes // 16),),
     )
 
 

@@ -21,7 +21,7 @@ class CpuBackend(Backend):
     collective_backend = "gloo"
     mooncake_protocol = "tcp"
     nixl_memory_type = "DRAM"
-    layouts: ClassVar[dict[str, str]] = {"gqa": "gqa_fused", "mla": "mla_fused", "index": "index"}
+    layouts: ClassVar[dict[str, str]] = {"gqa": "packed_kv", "mla": "mla_fused", "index": "index"}
 
     def __init__(self, device_index: int = 0, *, emulated: bool = False, copy_threads: int | None = None) -> None:
         super().__init__(device_index, emulated=emulated)

@@ -15,7 +15,7 @@ import msgspec
 
 from kvplane.backend.base import Backend
 from kvplane.blocks.groups import Ids, PerGroup, per_group
-from kvplane.descriptors import Region
+from kvplane.descriptors import Region, SlotPart
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import Handshake
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def _staging_region(addr: int, nbytes: int) -> Region:
     """The staging buffer as one pseudo-region, so the backend merges and aligns it with the cache's spans."""
-    return Region(0, -1, "<staging>", "staging", addr, 1, nbytes, nbytes, 1, 1, nbytes)
+    return Region(0, -1, "<staging>", addr, 1, nbytes, nbytes, 1, 1, nbytes, (SlotPart("staging", 0, nbytes),))
 
 
 class LocalKV:

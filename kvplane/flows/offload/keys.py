@@ -18,7 +18,7 @@ from kvplane.kv.spec import KVSpec
 
 
 def fingerprint(spec: KVSpec, regions: Sequence[Region], tp_rank: int = 0, tp_size: int = 1) -> str:
-    shape = [(r.group_id, r.layer_name, r.slot, r.block_bytes, r.heads, r.head_bytes, r.order) for r in regions]
+    shape = [(r.group_id, r.layer_name, r.parts, r.block_bytes, r.heads, r.row_bytes, r.order) for r in regions]
     blob = msgspec.msgpack.encode({"spec": spec, "blocks": shape, "tp": (tp_rank, tp_size)})
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
 

@@ -1,32 +1,11 @@
-"""A sparse-attention indexer cache kept as a layer of its own (vLLM's DeepSeek V3.2): ``(nb, bs, index_dim)``."""
+"""The sparse-attention indexer's key cache (vLLM ``mla/indexer.py``): ``(nb, bs, index_dim)`` per layer."""
 
-from __future__ import annotations
+from kvplane.kv.layouts.base import Layout, TensorSpec
 
-from typing import TYPE_CHECKING
-
-from kvplane.kv.layouts.base import LayerValue, Layout, SlotTensor, as_tuple, expect_shape, torch_dtype
-from kvplane.kv.spec import LayerSpec
-
-if TYPE_CHECKING:
-    import torch
-
-
-class IndexSlot(Layout):
-    name = "index"
-    family = "index"
-    shape = "(nb, bs, index_dim)"
-
-    def slot_tensors(self, layer: LayerSpec, tokens_per_block: int, value: LayerValue) -> list[SlotTensor]:
-        (t,) = as_tuple(self, layer, value, (1,))
-        s = layer.slot("index")
-        expect_shape(self, layer, "index", t, (None, tokens_per_block, s.heads * s.head_dim))
-        return [SlotTensor("index", t, s.dtype, s.heads, s.head_dim)]
-
-    def allocate(
-        self, layer: LayerSpec, num_blocks: int, tokens_per_block: int, device: torch.device | str = "cpu"
-    ) -> LayerValue:
-        import torch
-
-        s = layer.slot("index")
-        shape = (num_blocks, tokens_per_block, s.heads * s.head_dim)
-        return torch.zeros(shape, dtype=torch_dtype(s.dtype), device=device)
+INDEX = Layout(
+    name="index",
+    family="index",
+    shape="(nb, bs, index_dim)",
+    engine="vLLM sparse MLA indexer (mla/indexer.py)",
+    tensors=(TensorSpec(("block", "token", "row"), (("index",),)),),
+)
