@@ -23,17 +23,21 @@ from typing import Any
 from unittest import mock
 
 import torch
+from kvref import packed_kv_views
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm_kv_tensors import kv_tensor
 
 init_none_hash(sha256)
 HEADS, HEAD_DIM = 2, 8
@@ -105,12 +109,13 @@ class MiniEngine:
             caches: dict[str, Any] = {}
             for name, g in self.layer_group.items():
                 nb, bs = num_blocks, self.block_sizes[g]
-                if mla:
-                    caches[name] = ((torch.zeros((nb, bs, 1, LORA)), torch.zeros((nb, bs, 1, ROPE))) if split_kv
-                                    else torch.zeros((nb, bs, LORA + ROPE)))
-                else:
-                    shape = (nb, bs, heads, HEAD_DIM)
-                    caches[name] = (torch.zeros(shape), torch.zeros(shape)) if split_kv else torch.zeros((2, *shape))
+                if split_kv:  # vllm-ascend's tuples: see vllm_ascend_shapes for where these shapes come from
+                    caches[name] = ((torch.zeros((nb, bs, 1, LORA)), torch.zeros((nb, bs, 1, ROPE))) if mla
+                                    else (torch.zeros((nb, bs, heads, HEAD_DIM)), torch.zeros((nb, bs, heads, HEAD_DIM))))
+                else:  # built by vLLM's own shape and stride-order functions, as its GPU model runner does
+                    caches[name] = (kv_tensor(TritonMLABackend, nb, bs, 1, LORA + ROPE, model_dtype=torch.float32)
+                                    if mla else
+                                    kv_tensor(FlashAttentionBackend, nb, bs, heads, HEAD_DIM, model_dtype=torch.float32))
             worker.register_kv_caches(caches)
             self.workers.append(worker)
             self.rank_caches.append(caches)
@@ -135,6 +140,8 @@ class MiniEngine:
         cache = self.rank_caches[rank][name]
         if self.mla and isinstance(cache, torch.Tensor):
             return (cache[..., :LORA], cache[..., LORA:])
+        if isinstance(cache, torch.Tensor):
+            return packed_kv_views(cache)
         return (cache[0], cache[1])
 
     def token_rows(self, token: int, position: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,18 +18,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvref import packed_kv_views
 from minivllm import HEAD_DIM, HEADS, MiniEngine
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm_kv_tensors import kv_tensor
 
 init_none_hash(sha256)
 BLOCK = 16
@@ -95,7 +98,8 @@ class RealEngine:
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         # vLLM's order: workers (and their KV caches) first, then the engine core's scheduler
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
-        self.caches = {name: torch.zeros((2, num_blocks, BLOCK, HEADS, HEAD_DIM)) for name in LAYERS}
+        self.caches = {name: kv_tensor(FlashAttentionBackend, num_blocks, BLOCK, HEADS, HEAD_DIM,
+                                       model_dtype=torch.float32) for name in LAYERS}  # as vLLM's runner builds it
         self.worker.register_kv_caches(self.caches)
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(self.config), block_size=BLOCK)
@@ -141,8 +145,9 @@ class RealEngine:
                     for p in range(start, start + so.num_scheduled_tokens[rid]):
                         value = MiniEngine.kv_value(tokens[p], p, li)
                         block = self.tables[rid][self.group_of[name]][p // BLOCK]
-                        self.caches[name][0, block, p % BLOCK] = value
-                        self.caches[name][1, block, p % BLOCK] = -value
+                        k, v = packed_kv_views(self.caches[name])
+                        k[block, p % BLOCK] = value
+                        v[block, p % BLOCK] = -value
                 self.worker.save_kv_layer(name, self.caches[name], None)
             self.worker.wait_for_save()
         for rid, start in spans:  # the request's KV as it stands after this forward
@@ -177,8 +182,9 @@ class RealEngine:
                 if self.group_of[name] and p < num_tokens - self.window:
                     continue  # out of the window: vLLM freed that block, nothing reads it
                 block = self.tables[rid][self.group_of[name]][p // BLOCK]
-                h.update(self.caches[name][0, block, p % BLOCK].numpy().tobytes())
-                h.update(self.caches[name][1, block, p % BLOCK].numpy().tobytes())
+                k, v = packed_kv_views(self.caches[name])
+                h.update(k[block, p % BLOCK].contiguous().numpy().tobytes())
+                h.update(v[block, p % BLOCK].contiguous().numpy().tobytes())
         return h.hexdigest()
 
     def run_until(self, done: Any, within_s: float = 30.0) -> None:

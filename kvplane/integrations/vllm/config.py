@@ -26,7 +26,7 @@ from kvplane.flows.offload.config import OffloadConfig
 
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 ROLES: tuple[Role, ...] = ("kv_producer", "kv_consumer", "kv_both")
-KNOWN = ("offload", "disagg", "device", "layouts", "lookup_timeout_s")
+KNOWN = ("offload", "disagg", "device", "layouts", "lookup_timeout_s", "cross_layer_blocks")
 FROM_VLLM = ("engine_id", "boot_id", "rank", "tp_size")
 DEFAULT_PORT = 5600  # the scheduler must know it to put it into kv_transfer_params, so 0 (any) is refused
 
@@ -46,6 +46,7 @@ class ConnectorConfig:
     device: str | None = None
     layouts: Mapping[str, str] | None = None
     lookup_timeout_s: float = 5.0
+    cross_layer_blocks: bool = True  # ask vLLM for one tensor of all layers where its layout allows (NHD)
 
     @property
     def is_prefill(self) -> bool:
@@ -128,7 +129,13 @@ class ConnectorConfig:
                 f"kv_connector_extra_config.layouts={layouts!r} must map a family to a layout, e.g. "
                 f"{{'gqa': 'split_kv'}}"
             )
-        out = cls(role, safe_id, boot_id, tp_size, offload, disagg, extra.get("device"), layouts, lookup_timeout_s)
+        cross_layer = extra.get("cross_layer_blocks", True)
+        if not isinstance(cross_layer, bool):
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.cross_layer_blocks={cross_layer!r} must be true or false"
+            )
+        out = cls(role, safe_id, boot_id, tp_size, offload, disagg, extra.get("device"), layouts, lookup_timeout_s,
+                  cross_layer)
         if disagg is not None:
             out.disagg_for(0)  # every DisaggConfig check, now rather than in a worker
         return out

@@ -43,6 +43,31 @@ def _kv_lora_rank(vllm_config: Any) -> int | None:
     return int(rank) if isinstance(rank, int) else None
 
 
+def _attention_backends(vllm_config: Any, layer_names: list[str]) -> dict[str, Any]:
+    """Layer name -> the vLLM attention backend class its layer runs (empty when vLLM has no model loaded)."""
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+    except (ImportError, AttributeError, AssertionError, TypeError):
+        return {}
+    return {name: layer.get_attn_backend() for name, layer in layers.items()}
+
+
+def _cache_dtype(vllm_config: Any) -> str:
+    return str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto") or "auto")
+
+
+def _kv_cache_layout() -> str:
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+        return str(get_kv_cache_layout())
+    except ImportError:
+        return "NHD"
+
+
 class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -82,8 +107,19 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         return extra_config.get("offload") is not None or disagg.get("mode") == "layerwise"
 
     # -- worker side --------------------------------------------------------------------------------------
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """One tensor for all layers (a block of every layer in one range) where vLLM lays it out NHD; with HND
+        the layers of a block interleave by head, so per-layer tensors move in fewer descriptors."""
+        return self.config.cross_layer_blocks and _kv_cache_layout() == "NHD"
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        self.worker.register_kv_caches(
+            kv_caches, _attention_backends(self._vllm_config, list(kv_caches)), _cache_dtype(self._vllm_config)
+        )
+
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
+        self.worker.register_cross_layers_kv_cache(kv_cache, attn_backend, _cache_dtype(self._vllm_config))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -15,15 +15,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvplane.backend.base import Backend
-from kvplane.errors import KvplaneError
+from kvplane.errors import KvplaneError, LayoutError
 from kvplane.flows.disagg import Completion, DecodeSide, PrefillSide
 from kvplane.flows.offload import OffloadEngine
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.device import select_backend
+from kvplane.integrations.vllm.layouts import backend_name, cross_layer_logical, layout_for_backend
 from kvplane.integrations.vllm.lookup import LookupServer, lookup_address
 from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Receive, Send
 from kvplane.integrations.vllm.spec import layouts_for, spec_from_vllm
-from kvplane.kv.layouts import LayerValue
+from kvplane.kv.binding import check_whole_allocations, matching_layouts, regions_from_tensors
+from kvplane.kv.layouts import LayerValue, Layout
 from kvplane.kv.spec import KVSpec
 
 logger = logging.getLogger("kvplane.vllm")
@@ -51,11 +53,23 @@ class WorkerSide:
                          "load_error_blocks": 0}
 
     # -- setup --------------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: Mapping[str, LayerValue]) -> None:
-        """Bind the flows to vLLM's tensors: one tensor per layer (CUDA) or a tuple (Ascend's k/v, nope/rope)."""
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, LayerValue], attn_backends: Mapping[str, Any] | None = None,
+        cache_dtype: str = "auto", *, whole: bool = True,
+    ) -> None:
+        """Bind the flows to vLLM's tensors: one tensor per layer (CUDA) or a tuple (Ascend's k/v, nope/rope).
+
+        ``attn_backends`` (layer name -> vLLM attention backend class) decide each family's layout from the
+        backend's own shape function; without them the device backend's default layouts apply. Every check
+        (layouts, shapes, strides, whole allocations) runs before any memory is registered with an engine.
+        """
         self.spec = spec_from_vllm(self.kv_cache_config, list(kv_caches), kv_lora_rank=self.kv_lora_rank)
         backend = self.backend = self.backend or select_backend(self.config.device, kv_caches)
-        layouts = layouts_for(backend.layouts, self.config.layouts)
+        layouts = layouts_for({**backend.layouts, **self._read_layouts(kv_caches, attn_backends or {}, cache_dtype)},
+                              self.config.layouts)
+        if whole:
+            check_whole_allocations(kv_caches)
+        regions_from_tensors(self.spec, kv_caches, layouts)  # every LayoutError before any flow registers memory
         if self.config.offload is not None:
             self.offload = OffloadEngine(backend, self.spec, kv_caches, self.config.offload, layouts=layouts,
                                          tp_rank=self.tp_rank, tp_size=self.config.tp_size)
@@ -69,6 +83,70 @@ class WorkerSide:
         if self.config.is_decode:
             self.decode = DecodeSide(backend, self.spec, kv_caches, self.config.disagg_for(self.tp_rank),
                                      layouts=layouts)
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any, cache_dtype: str = "auto") -> None:
+        """vLLM's one tensor for every layer (``prefer_cross_layer_blocks``): per-layer views of it, registered
+        like per-layer tensors. Block ``i`` of every layer is one contiguous range, so plans move one
+        descriptor per block for all layers wherever the other side is cross-layer too."""
+        logical = cross_layer_logical(kv_cache, attn_backend)
+        names = [name for tensor in self.kv_cache_config.kv_cache_tensors for name in tensor.shared_by]
+        if logical.shape[0] != len(self.kv_cache_config.kv_cache_tensors):
+            raise LayoutError(
+                f"cross-layer KV cache of logical shape {tuple(logical.shape)} has {logical.shape[0]} layers, the "
+                f"KV cache config has {len(self.kv_cache_config.kv_cache_tensors)} tensors; register the tensor "
+                f"vLLM allocated for this config"
+            )
+        views = {name: logical[i] for i, tensor in enumerate(self.kv_cache_config.kv_cache_tensors)
+                 for name in tensor.shared_by}
+        check_whole_allocations({"<cross-layer>": kv_cache})
+        self.register_kv_caches({name: views[name] for name in names}, {name: attn_backend for name in names},
+                                cache_dtype, whole=False)
+
+    def _read_layouts(
+        self, kv_caches: Mapping[str, LayerValue], attn_backends: Mapping[str, Any], cache_dtype: str
+    ) -> dict[str, str]:
+        """Each family's layout, read from the attention backend's shape function where it has one, else from the
+        first layer's tensor (vLLM 0.33 describes one cache layout for all layers instead); one per family."""
+        spec = self.spec
+        if spec is None:
+            return {}
+        found: dict[str, tuple[str, str]] = {}
+        for layer in spec.layers:
+            backend_cls = attn_backends.get(layer.name)
+            if backend_cls is None and layer.family in found:
+                continue
+            if backend_cls is not None and hasattr(backend_cls, "get_kv_cache_shape"):
+                head_size = (sum(s.head_dim for s in layer.slots) if layer.family == "mla"
+                             else layer.slots[0].head_dim)
+                block_size = spec.group(layer.group_id).tokens_per_block
+                layout = layout_for_backend(backend_cls, layer.family, head_size, block_size, layer.slots[0].dtype,
+                                            cache_dtype)
+            elif attn_backends:  # an engine that names backends but not their shapes: read the tensor
+                layout = self._layout_of_tensor(spec, layer.name, kv_caches[layer.name], backend_cls)
+            else:
+                continue  # no engine information at all: the device backend's defaults apply
+            who = backend_name(backend_cls) if backend_cls is not None else "its tensor"
+            seen = found.setdefault(layer.family, (layout.name, who))
+            if seen[0] != layout.name:
+                raise LayoutError(
+                    f"layers of family {layer.family!r} use two KV layouts: {seen[0]} ({seen[1]}) and {layout.name} "
+                    f"({who}, layer {layer.name!r}); kvplane takes one layout per family"
+                )
+        return {family: name for family, (name, _) in found.items()}
+
+    @staticmethod
+    def _layout_of_tensor(spec: KVSpec, layer_name: str, value: LayerValue, backend_cls: Any) -> Layout:
+        candidates = matching_layouts(spec, layer_name, value)
+        if len(candidates) == 1:
+            return candidates[0]
+        shapes = [tuple(t.shape) for t in ((value,) if hasattr(value, "shape") else value)]
+        layer = spec.layer(layer_name)
+        raise LayoutError(
+            f"layer {layer_name!r} ({backend_name(backend_cls) if backend_cls is not None else 'no backend'}): "
+            f"tensor(s) of shape {shapes} match {[c.name for c in candidates] or 'no'} kvplane layout of family "
+            f"{layer.family!r} for the KV spec (slots {[(s.name, s.heads, s.head_dim, s.dtype) for s in layer.slots]}); "
+            f"name the layout in kv_connector_extra_config.layouts"
+        )
 
     # -- per step -----------------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVPlaneMetadata) -> None:
