@@ -24,7 +24,14 @@ from unittest import mock
 
 import torch
 from kvref import packed_kv_views
-from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
@@ -34,10 +41,16 @@ from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm_kv_tensors import kv_tensor
+from vllm_kv_tensors import cross_layer_tensor, kv_tensor
 
 init_none_hash(sha256)
 HEADS, HEAD_DIM = 2, 8
@@ -72,11 +85,13 @@ class MiniEngine:
     def __init__(
         self, extra: dict[str, Any], kv_role: str = "kv_both", *, groups: tuple[tuple[int, int], ...] = ((2, 16),),
         num_blocks: int = 48, split_kv: bool = False, policy: str = "recompute", engine_id: str | None = None,
-        mla: bool = False, tp_size: int = 1,
+        mla: bool = False, tp_size: int = 1, cross_layer: bool = False,
     ) -> None:
         """``groups``: (layers, block size) per KV-cache group; ``split_kv``: Ascend-style tuples, (k, v) or for
         ``mla`` (nope, rope); otherwise vLLM CUDA's fused tensors, ``(2, nb, bs, h, d)`` or MLA's ``(nb, bs, 576)``.
-        ``tp_size`` > 1: one worker connector per TP rank, each holding ``HEADS / tp_size`` heads (GQA)."""
+        ``tp_size`` > 1: one worker connector per TP rank, each holding ``HEADS / tp_size`` heads (GQA).
+        ``cross_layer``: one tensor for all layers, as vLLM allocates it for a connector that prefers cross-layer
+        blocks, handed over through ``register_cross_layers_kv_cache`` (one KV-cache group only)."""
         self.mla, self.tp = mla, tp_size
         heads = HEADS // tp_size
         self.transfer_config = KVTransferConfig(
@@ -99,7 +114,9 @@ class MiniEngine:
             spec = (MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.float32) if mla
                     else FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=HEAD_DIM, dtype=torch.float32))
             group_specs.append(KVCacheGroupSpec(names, spec))
-        self.kv_cache_config = KVCacheConfig(num_blocks, [], group_specs)
+        names = list(self.layer_group)
+        tensors = [KVCacheTensor(size=0, shared_by=[name]) for name in names] if cross_layer else []
+        self.kv_cache_config = KVCacheConfig(num_blocks, tensors, group_specs)
         self.workers: list[Any] = []
         self.rank_caches: list[dict[str, Any]] = []
         for rank in range(tp_size):  # vLLM's worker processes, each with its TP rank and its share of the heads
@@ -107,7 +124,16 @@ class MiniEngine:
                 worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER,
                                                              self.kv_cache_config)
             caches: dict[str, Any] = {}
-            for name, g in self.layer_group.items():
+            if cross_layer:  # built as vLLM's allocate_uniform_kv_caches builds it
+                backend_cls = TritonMLABackend if mla else FlashAttentionBackend
+                with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):  # as in vLLM's worker
+                    assert worker.prefer_cross_layer_blocks  # vLLM asks before it allocates
+                    cross, views = cross_layer_tensor(backend_cls, len(names), num_blocks, self.block_sizes[0],
+                                                      1 if mla else heads, LORA + ROPE if mla else HEAD_DIM,
+                                                      model_dtype=torch.float32)
+                    worker.register_cross_layers_kv_cache(cross, backend_cls)
+                caches = dict(zip(names, views))
+            for name, g in ({} if cross_layer else self.layer_group).items():
                 nb, bs = num_blocks, self.block_sizes[g]
                 if split_kv:  # vllm-ascend's tuples: see vllm_ascend_shapes for where these shapes come from
                     caches[name] = ((torch.zeros((nb, bs, 1, LORA)), torch.zeros((nb, bs, 1, ROPE))) if mla
@@ -116,7 +142,8 @@ class MiniEngine:
                     caches[name] = (kv_tensor(TritonMLABackend, nb, bs, 1, LORA + ROPE, model_dtype=torch.float32)
                                     if mla else
                                     kv_tensor(FlashAttentionBackend, nb, bs, heads, HEAD_DIM, model_dtype=torch.float32))
-            worker.register_kv_caches(caches)
+            if not cross_layer:
+                worker.register_kv_caches(caches)
             self.workers.append(worker)
             self.rank_caches.append(caches)
         self.worker, self.caches = self.workers[0], self.rank_caches[0]

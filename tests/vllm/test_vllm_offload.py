@@ -44,3 +44,18 @@ def test_lookup_is_side_effect_free_and_never_offers_the_whole_prompt(engine: Mi
 def test_a_different_prefix_misses(engine: MiniEngine) -> None:
     engine.run("a", list(range(48)))
     assert engine.run("b", [5] + list(range(1, 48))).external_tokens == 0
+
+
+def test_a_cross_layer_cache_round_trips_through_the_host_tier() -> None:
+    engine = MiniEngine(OFFLOAD, cross_layer=True)
+    try:
+        worker = engine.worker.worker
+        assert worker.offload is not None
+        prompt = list(range(300, 370))
+        engine.run("a", prompt, max_tokens=3)
+        second = engine.run("b", prompt + [1, 2])
+        assert second.external_tokens == 64 and not second.load_errors
+        assert second.digest == engine.reference_digest(second.tokens, 72)
+        assert engine.whole
+    finally:
+        engine.shutdown()

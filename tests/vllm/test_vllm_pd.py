@@ -60,14 +60,15 @@ def pair(processes: tuple[Peer, Peer]) -> Iterator[tuple[Peer, Peer]]:
         peer.ask(cmd="teardown")
 
 
-def setup(pair: tuple[Peer, Peer], mode: str, groups: list[list[int]]) -> int:
+def setup(pair: tuple[Peer, Peer], mode: str, groups: list[list[int]], cross_layer: tuple[bool, bool] = (False, False)
+          ) -> int:
     prefill, decode = pair
     port = free_port()
     disagg = {"mode": mode, "port": port, **FAST}
     prefill.proc.send(cmd="setup", extra={"disagg": disagg}, kv_role="kv_producer",
-                                           groups=groups, engine_id="prefill-0")
+                      groups=groups, engine_id="prefill-0", cross_layer=cross_layer[0])
     decode.ask(cmd="setup", extra={"disagg": {"mode": mode, "port": free_port(), **FAST}}, kv_role="kv_consumer",
-               groups=groups, engine_id="decode-0")
+               groups=groups, engine_id="decode-0", cross_layer=cross_layer[1])
     assert "error" not in prefill.proc.read(120.0)
     return port
 
@@ -132,4 +133,21 @@ def test_a_decode_with_offload_keeps_pulled_kv_in_its_host_tier(pair: tuple[Peer
     assert decode.read()["digest"] == done["digest"]
     local = decode.ask(cmd="run", request_id="d-4", prompt=PROMPT)  # no proxy this time: the host tier has it
     assert local["external_tokens"] == 80 and local["digest"] == done["digest"]
+    assert prefill.ask(cmd="whole")["whole"] and decode.ask(cmd="whole")["whole"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("cross_layer", [(True, True), (True, False), (False, True)],
+                         ids=["cross-to-cross", "cross-to-per-layer", "per-layer-to-cross"])
+def test_pull_between_cross_layer_and_per_layer_caches_lands_the_same_kv(
+    pair: tuple[Peer, Peer], cross_layer: tuple[bool, bool]
+) -> None:
+    prefill, decode = pair
+    setup(pair, "pull", [[2, 16]], cross_layer)
+    done = prefill.ask(cmd="run", request_id="p-x", prompt=PROMPT, params={"do_remote_decode": True})
+    decode.proc.send(cmd="run", request_id="d-x", prompt=PROMPT, params=done["kv_transfer_params"])
+    prefill.ask(cmd="pump", request_id="p-x", within=5.0)
+    received = decode.read()
+    assert received["external_tokens"] == len(PROMPT) and not received["load_errors"]
+    assert received["digest"] == decode.ask(cmd="reference", tokens=PROMPT, n=len(PROMPT))["digest"] == done["digest"]
     assert prefill.ask(cmd="whole")["whole"] and decode.ask(cmd="whole")["whole"]
