@@ -71,10 +71,6 @@ class TransferPlan:
         return self.plan.total_bytes
 
 
-def _replicated(layer: LayerSpec) -> bool:
-    return layer.family in REPLICATED_FAMILIES
-
-
 def _direct_ok(s: Region, d: Region, heads: tuple[int, int]) -> bool:
     if s.parts != d.parts or s.order != d.order or s.row_bytes != d.row_bytes:
         return False
@@ -97,6 +93,54 @@ def _direct(s: Region, d: Region, ch: Chunks, heads: tuple[int, int], s_h0: int,
     return CopyPlan(src.ravel(), dst.ravel(), np.full(src.size, ch.tokens * hb, dtype=np.int64))
 
 
+class _Rows:
+    """Token-major direct pairs of one KV-cache group: every pair's descriptors in one broadcast, a row per pair.
+
+    Whole token rows line up on both sides, so chunk ``c`` of pair ``p`` is ``tokens x row`` bytes at
+    ``addr + block * block_stride + token * row`` on each side; the result is a ``(pairs, chunks)`` matrix that
+    ``CopyPlan.merge_parallel`` semantics then interleave block-major where the layers sit side by side.
+    """
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Region, Region]] = []
+
+    def add(self, s: Region, d: Region) -> None:
+        self.pairs.append((s, d))
+
+    def plan(self, ch: Chunks) -> CopyPlan:
+        cols = np.array([(s.addr, s.block_stride, s.heads * s.row_bytes, d.addr, d.block_stride, d.heads * d.row_bytes)
+                         for s, d in self.pairs], dtype=np.int64)
+        for side, blocks, k in (("src", ch.src_block, 0), ("dst", ch.dst_block, 1)):
+            limit = min(pair[k].num_blocks for pair in self.pairs)
+            if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= limit):
+                for pair in self.pairs:  # the first region that cannot hold them names the id
+                    pair[k].block_addrs(blocks)
+        src = cols[:, :1] + ch.src_block[None, :] * cols[:, 1:2] + ch.src_token[None, :] * cols[:, 2:3]
+        dst = cols[:, 3:4] + ch.dst_block[None, :] * cols[:, 4:5] + ch.dst_token[None, :] * cols[:, 5:6]
+        length = np.broadcast_to(ch.tokens * cols[:, 2:3], src.shape)
+        side_by_side = src.shape[0] > 1 and bool(
+            ((src[1:, 0] == src[:-1, 0] + length[:-1, 0]) & (dst[1:, 0] == dst[:-1, 0] + length[:-1, 0])).any())
+        if side_by_side:
+            return CopyPlan(src.ravel("F"), dst.ravel("F"), np.ascontiguousarray(length).ravel("F"))
+        return CopyPlan(src.ravel(), dst.ravel(), np.ascontiguousarray(length).ravel())
+
+
+def _by_layer(manifest: Manifest) -> dict[str, list[Region]]:
+    out: dict[str, list[Region]] = {}
+    for r in manifest.regions:
+        out.setdefault(r.layer_name, []).append(r)
+    return out
+
+
+def _describe(regions: list[Region]) -> str:
+    """A layer's regions as a person reads them: ``k+v rows of 512 B x 8 heads, NHD``."""
+    return "; ".join(f"{r.slot} rows of {r.row_bytes} B x {r.heads} heads, {r.order}" for r in regions)
+
+
+def _merge(plans: list[CopyPlan]) -> CopyPlan:
+    return plans[0] if len(plans) == 1 else CopyPlan.merge_parallel(plans)
+
+
 def plan_transfer(
     src: Manifest,
     dst: Manifest,
@@ -114,20 +158,28 @@ def plan_transfer(
     much), and a plan that needs more raises ``PlanError`` naming the size.
     """
     names = list(layers) if layers is not None else dst.spec.layer_names
-    direct: dict[int, list[CopyPlan]] = {}  # per KV-cache group: equal-length plans, merged across layers
+    rows: dict[int, _Rows] = {}  # per KV-cache group: token-major direct pairs, computed in one broadcast
+    direct: dict[int, list[CopyPlan]] = {}  # per group: head-run plans (HND), merged across layers
     parts: list[CopyPlan] = []
     staged: list[StagedLayer] = []
     direct_bytes = expected_direct = staging_used = staged_bytes = 0
     staging_addr, staging_size = staging if staging is not None else (0, 0)
     chunks_of: dict[int, Chunks] = {}
+    s_index, d_index = _by_layer(src), _by_layer(dst)
+    d_layers = {layer.name: layer for layer in dst.spec.layers}
+    s_layers = {layer.name: layer for layer in src.spec.layers}
     for name in names:
-        d_layer, s_layer = dst.spec.layer(name), _src_layer(src, name)
+        d_layer = d_layers[name] if name in d_layers else dst.spec.layer(name)  # the latter raises, naming it
+        s_layer = s_layers[name] if name in s_layers else _src_layer(src, name)
         group = d_layer.group_id
         if group not in chunks_of:
             chunks_of[group] = _chunks(src, dst, src_block_ids, dst_block_ids, num_tokens, group)
         ch = chunks_of[group]
-        replicated = _replicated(d_layer)
-        s_regions, d_regions = src.regions_of(name), dst.regions_of(name)
+        replicated = d_layer.family in REPLICATED_FAMILIES
+        s_regions, d_regions = s_index.get(name, []), d_index.get(name, [])
+        if not s_regions or not d_regions:
+            raise PlanError(f"layer {name!r} has no regions in the {'source' if not s_regions else 'destination'} "
+                            f"manifest; both sides must register every layer they plan")
         s_h0 = head_range(src.rank, s_regions[0].heads, replicated)[0]
         d_h0 = head_range(dst.rank, d_regions[0].heads, replicated)[0]
         heads = overlap((s_h0, s_h0 + s_regions[0].heads), (d_h0, d_h0 + d_regions[0].heads))
@@ -137,10 +189,13 @@ def plan_transfer(
         pairs = [(by_slot[d.slot], d) for d in d_regions if d.slot in by_slot]
         if len(pairs) == len(d_regions) and all(_direct_ok(s, d, heads) for s, d in pairs):
             for s, d in pairs:
+                expected_direct += ch.count * ch.tokens * (heads[1] - heads[0]) * d.row_bytes
+                if s.order == "NHD":
+                    rows.setdefault(group, _Rows()).add(s, d)
+                    continue
                 part = _direct(s, d, ch, heads, s_h0, d_h0)
                 direct.setdefault(group, []).append(part)
                 direct_bytes += part.total_bytes
-                expected_direct += ch.count * ch.tokens * (heads[1] - heads[0]) * d.row_bytes
             continue
         n_src = -(-num_tokens[group] // s_regions[0].tokens_per_block)
         src_ids = np.asarray(src_block_ids[group], dtype=np.int64)[:n_src]
@@ -164,16 +219,23 @@ def plan_transfer(
                 dst_head_start=d_h0,
             )
         )
-    if direct_bytes != expected_direct:
-        raise PlanError(f"plan covers {direct_bytes} B directly but the request needs {expected_direct} B")
     if staging_used > staging_size and staging is not None:
         raise PlanError(f"staging needs {staging_used} B, the buffer given has {staging_size} B; pass a larger one")
     if staging_used and staging is None:
+        first = staged[0].layer_name
         raise PlanError(
-            f"this transfer must stage {staging_used} B (layouts or TP head slices differ between the sides); "
-            f"pass staging=(addr, nbytes) of a registered destination buffer"
+            f"this transfer must stage {staging_used} B: layouts or TP head slices differ between the sides (layer "
+            f"{first!r}: source {src.engine_id} rank {src.rank} has {_describe(s_index[first])}, destination "
+            f"{dst.engine_id} rank {dst.rank} has {_describe(d_index[first])}); pass staging=(addr, nbytes) of a "
+            f"registered destination buffer"
         )
-    plan = CopyPlan.concat([CopyPlan.merge_parallel(p) for p in direct.values()] + parts).coalesced()
+    for group, pending in rows.items():
+        part = pending.plan(chunks_of[group])
+        direct.setdefault(group, []).insert(0, part)
+        direct_bytes += part.total_bytes
+    if direct_bytes != expected_direct:
+        raise PlanError(f"plan covers {direct_bytes} B directly but the request needs {expected_direct} B")
+    plan = CopyPlan.concat([_merge(p) for p in direct.values()] + parts).coalesced()
     return TransferPlan(plan, tuple(staged), staging_used, direct_bytes, staged_bytes, tuple(names))
 
 

@@ -186,3 +186,16 @@ def test_plans_cover_the_request_and_destination_ranges_never_overlap(
     order = np.argsort(tp.plan.dst)
     starts, ends = tp.plan.dst[order], tp.plan.dst[order] + tp.plan.length[order]
     assert np.all(starts[1:] >= ends[:-1])
+
+
+def test_sides_that_differ_only_in_memory_order_plan_a_staged_transfer_and_name_both_layouts() -> None:
+    src, dst = Rank("gqa", "packed_kv", 1, 0, 16, 8, 1), Rank("gqa", "packed_kv@HND", 1, 0, 16, 8, 2)
+    with pytest.raises(PlanError, match=r"source e1 rank 0 has k\+v rows of \d+ B x 4 heads, NHD.*destination e2 "
+                                        r"rank 0 has k\+v rows of \d+ B x 4 heads, HND"):
+        plan_transfer(src.manifest, dst.manifest, {0: np.arange(2)}, {0: np.arange(2)}, {0: 20})
+    s_ids, d_ids = ids_for(40, 16, 8, 3), ids_for(40, 16, 8, 4)
+    move(src, dst, s_ids, d_ids, 40)  # with a staging buffer the bytes land re-laid out
+    for name in dst.spec.layer_names:
+        want, got = src.tokens(name, s_ids, 40), dst.tokens(name, d_ids, 40)
+        for slot in want:
+            torch.testing.assert_close(got[slot], want[slot], rtol=0, atol=0)
