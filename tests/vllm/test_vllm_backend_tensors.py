@@ -18,12 +18,11 @@ pytest.importorskip("vllm", reason="the vLLM backend tests need vLLM: pip instal
 import torch  # noqa: E402
 import vllm_kv_tensors as vkt  # noqa: E402
 
-if vkt.api_generation() != "shape":
-    pytest.skip(
-        f"vLLM {vkt.vllm_version()} has no per-backend get_kv_cache_shape (layout API): the 0.27-style checks here "
-        "compare with _reshape_attention_kv_cache, which it no longer has",
-        allow_module_level=True,
-    )
+SHAPE_API = vkt.api_generation() == "shape"
+# vLLM <= 0.27.x: per-backend get_kv_cache_shape, compared with vLLM's own _reshape_attention_kv_cache /
+# allocate_uniform_kv_caches. vLLM 0.33.0 removed both (one KVCacheLayout, views from allocate_kv_cache).
+shape_api = pytest.mark.skipif(not SHAPE_API, reason=f"vLLM {vkt.vllm_version()} has no get_kv_cache_shape")
+layout_api = pytest.mark.skipif(SHAPE_API, reason=f"vLLM {vkt.vllm_version()} has get_kv_cache_shape, no KVCacheLayout")
 
 CASES = vkt.attention_backends()
 CROSS_CASES = [c for c in CASES if vkt.uses_cross_layer(c) is None]
@@ -85,9 +84,9 @@ def test_discovery_finds_the_backends_kvplane_must_serve() -> None:
     found = {c.id: c for c in vkt.discover()}
     for must in ("flash_attn.FlashAttentionBackend", "triton_attn.TritonAttentionBackend",
                  "flex_attention.FlexAttentionBackend", "rocm_attn.RocmAttentionBackend",
-                 "hpc_attn.HpcAttentionBackend", "triton_mla.TritonMLABackend", "flashmla.FlashMLABackend",
-                 "flashmla_sparse.FlashMLASparseBackend", "indexer.DeepseekV32IndexerBackend",
-                 "sparse_swa.DeepseekSparseSWABackend"):
+                 "hpc_attn.HpcAttentionBackend", "mla.triton_mla.TritonMLABackend", "mla.flashmla.FlashMLABackend",
+                 "mla.flashmla_sparse.FlashMLASparseBackend", "mla.indexer.DeepseekV32IndexerBackend",
+                 "mla.sparse_swa.DeepseekSparseSWABackend"):
         assert found[must].kind == vkt.KV, found[must]
     flashinfer = [c for c in vkt.discover() if c.module.endswith(".flashinfer")]
     assert flashinfer and all(c.kind in (vkt.KV, vkt.IMPORT_FAILED) for c in flashinfer), flashinfer
@@ -95,6 +94,7 @@ def test_discovery_finds_the_backends_kvplane_must_serve() -> None:
     assert mamba and all(c.kind == vkt.NOT_KV for c in mamba), mamba
 
 
+@shape_api
 @pytest.mark.parametrize("layout", vkt.LAYOUTS)
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_kv_tensor_is_what_vllms_reshape_attention_kv_cache_builds(case: vkt.BackendCase, layout: str) -> None:
@@ -117,6 +117,7 @@ def test_kv_tensor_is_what_vllms_reshape_attention_kv_cache_builds(case: vkt.Bac
         assert ours.untyped_storage().nbytes() == ours.numel() * ours.element_size()
 
 
+@shape_api
 @pytest.mark.parametrize("layout", vkt.LAYOUTS)
 @pytest.mark.parametrize("case", CROSS_CASES, ids=_ids(CROSS_CASES))
 def test_cross_layer_tensor_is_what_vllms_allocate_uniform_kv_caches_builds(case: vkt.BackendCase,
@@ -156,10 +157,11 @@ def test_cross_layer_tensor_is_what_vllms_allocate_uniform_kv_caches_builds(case
 
 @pytest.mark.parametrize("case", NO_CROSS_CASES, ids=_ids(NO_CROSS_CASES))
 def test_no_cross_layer_tensor_where_vllm_would_not_make_one(case: vkt.BackendCase) -> None:
-    with pytest.raises(vkt.NotUsedByVllm, match="indexes_kv_by_block_stride"):
+    with pytest.raises(vkt.NotUsedByVllm, match="indexes_kv_by_block_stride|supported_kv_cache_layouts"):
         vkt.cross_layer_tensor(case, 2, NUM_BLOCKS, 16, 1, 64)
 
 
+@shape_api
 def test_nhd_cross_layer_block_of_every_layer_is_one_contiguous_range() -> None:
     case = next(c for c in CASES if c.id == "flash_attn.FlashAttentionBackend")
     layers, bs, heads, head = 4, 16, 2, 64
@@ -175,6 +177,7 @@ def test_nhd_cross_layer_block_of_every_layer_is_one_contiguous_range() -> None:
         assert cross.view(torch.int8).reshape(NUM_BLOCKS, -1)[b].view(cross.dtype)[-1] == 1.0
 
 
+@shape_api
 def test_kv_cache_layout_uses_and_restores_vllms_override() -> None:
     from vllm.v1.attention.backends import utils
 
@@ -189,6 +192,7 @@ def test_kv_cache_layout_uses_and_restores_vllms_override() -> None:
         pass
 
 
+@shape_api
 def test_backend_records_cover_every_case_and_refusals_carry_vllms_own_message() -> None:
     records = vkt.backend_records(CASES)
     assert {r.case_id for r in records} == {c.id for c in CASES}
@@ -200,3 +204,39 @@ def test_backend_records_cover_every_case_and_refusals_carry_vllms_own_message()
     # every case builds for at least one parameter set vLLM accepts
     built = {r.case_id for r in records if r.shape is not None and r.accepted}
     assert built == {c.id for c in CASES}, {c.id for c in CASES} - built
+
+
+@layout_api
+@pytest.mark.parametrize("layout", vkt.LAYOUTS)
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_layer_views_follow_the_kv_cache_layout_vllm_resolves(case: vkt.BackendCase, layout: str) -> None:
+    """0.33.0: each layer is a [B, H, N, C] view of one shared int8 backing; its strides follow the layout's stride
+    order (vllm/v1/kv_cache_layout.py) and C is the spec's content bytes over the element size."""
+    mla = case.is_mla or vkt.is_indexer(case.cls) or vkt._token_row_name(case.cls)
+    heads, head = (1, vkt.INDEXER_SPEC[0] if vkt.is_indexer(case.cls) else 576) if mla else (2, 64)
+    try:
+        caches = vkt.layer_kv_caches(case, 3, NUM_BLOCKS, 64, heads, head, layout=layout)
+    except vkt.NotUsedByVllm as refused:
+        assert "supported_kv_cache_layouts" in str(refused)
+        return
+    kv_layout = vkt.layout_033(layout, cross_layer=False)
+    spec = vkt.spec_033(case.cls, 64, heads, head, vkt.default_dtype(case.cls, "auto"), "auto")
+    storages = {v.untyped_storage().data_ptr() for v in caches.values()}
+    assert len(storages) == 1, "0.33 layers share one backing allocation"
+    for view in caches.values():
+        assert view.shape == (NUM_BLOCKS, spec.num_heads, 64, spec.state_content_size_bytes // view.element_size())
+        physical = kv_layout.layer_view_order
+        assert [view.stride(d) for d in physical] == sorted((view.stride(d) for d in physical), reverse=True)
+
+
+@layout_api
+@pytest.mark.parametrize("case", CROSS_CASES, ids=_ids(CROSS_CASES))
+def test_block_outermost_layout_makes_a_block_of_every_layer_one_range(case: vkt.BackendCase) -> None:
+    mla = case.is_mla or vkt.is_indexer(case.cls) or vkt._token_row_name(case.cls)
+    heads, head = (1, vkt.INDEXER_SPEC[0] if vkt.is_indexer(case.cls) else 576) if mla else (2, 64)
+    backing, views = vkt.cross_layer_tensor(case, 3, NUM_BLOCKS, 64, heads, head, layout="NHD")
+    block_bytes = backing.numel() // NUM_BLOCKS
+    for b in range(NUM_BLOCKS):
+        for view in views:
+            start = view[b].data_ptr() - backing.data_ptr()
+            assert b * block_bytes <= start < (b + 1) * block_bytes

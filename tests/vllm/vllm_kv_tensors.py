@@ -25,6 +25,7 @@ import functools
 import importlib
 import inspect
 import math
+import os
 import pkgutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -65,7 +66,10 @@ class BackendCase:
 
     @property
     def id(self) -> str:
-        return f"{self.module.rsplit('.', 1)[-1]}.{self.qualname}"
+        """``flash_attn.FlashAttentionBackend``, ``mla.flashmla.FlashMLABackend``; registry-only classes keep their
+        module path after ``vllm.`` (two registry modules may hold classes of the same name)."""
+        module = self.module.removeprefix(PACKAGES[0] + ".").removeprefix("vllm.")
+        return f"{module}.{self.qualname}"
 
 
 def vllm_version() -> str:
@@ -91,18 +95,14 @@ def _import_error_text(exc: BaseException) -> str:
 
 def _classify(cls: type, module: str) -> tuple[str, str | None]:
     abstract = sorted(getattr(cls, "__abstractmethods__", ()))
+    if api_generation() == "layout" and cls.__qualname__.startswith("_"):
+        return ABSTRACT, f"private base class; abstract methods {abstract}"
     has_shape = api_generation() == "layout" or "get_kv_cache_shape" not in abstract
     if any(word in module for word in STATE_MODULE_WORDS):
         return NOT_KV, f"state backend (Mamba/linear/GDN/short-conv), abstract methods {abstract}"
     if api_generation() == "shape" and not has_shape:
         return ABSTRACT, f"no concrete get_kv_cache_shape; abstract methods {abstract}"
-    if api_generation() == "layout" and inspect.isabstract(cls) and not _declares_layout(cls):
-        return ABSTRACT, f"abstract methods {abstract}"
     return KV, None
-
-
-def _declares_layout(cls: type) -> bool:
-    return any("supported_kv_cache_layouts" in vars(k) for k in cls.__mro__[:-1] if k.__name__ != "AttentionBackend")
 
 
 def _case(cls: type, module: str, source: str) -> BackendCase:
@@ -196,19 +196,22 @@ def kv_cache_layout(layout: str) -> Iterator[None]:
     default "NHD". The override wins over the environment variable and needs no config, so it is what this uses;
     on exit the previous override is put back and the cache cleared again.
 
-    vLLM 0.33.0 has no such global: the layout is an argument (``KVCacheLayout``) of the allocation, so this
-    context only records the choice for ``kv_tensor`` / ``cross_layer_tensor``.
+    vLLM 0.33.0 has neither: the engine core resolves one KVCacheLayout (``resolve_kv_cache_layout``,
+    ``vllm/v1/attention/backends/utils.py`` line 293) from ``VLLM_KV_CACHE_LAYOUT`` (NHD/HND are aliases of
+    LBNHC/LBHNC), so there this sets and restores that variable; ``kv_tensor`` takes the layout as an argument.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
     if api_generation() == "layout":
-        global _LAYOUT_033
-        prev_033 = _LAYOUT_033
-        _LAYOUT_033 = layout
+        previous_env = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = layout
         try:
             yield
         finally:
-            _LAYOUT_033 = prev_033
+            if previous_env is None:
+                os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+            else:
+                os.environ["VLLM_KV_CACHE_LAYOUT"] = previous_env
         return
     utils = importlib.import_module("vllm.v1.attention.backends.utils")
     previous = utils._KV_CACHE_LAYOUT_OVERRIDE
@@ -220,8 +223,6 @@ def kv_cache_layout(layout: str) -> Iterator[None]:
     finally:
         utils.set_kv_cache_layout(previous)
 
-
-_LAYOUT_033 = "NHD"
 
 
 # ------------------------------------------------------------------------------------------------ vLLM 0.27.1 recipe
@@ -315,6 +316,10 @@ def uses_cross_layer(case: BackendCase | Any, cache_dtype_str: str = "auto", lay
     (per-token-head quant refused, line 160; ``indexes_kv_by_block_stride``, ``vllm/v1/attention/backend.py`` line 206)."""
     cls = case.cls if isinstance(case, BackendCase) else case
     if api_generation() == "layout":
+        supported = cls.supported_kv_cache_layouts()
+        wanted = layout_033(layout, cross_layer=True)
+        if supported is not None and wanted not in supported:
+            return f"{cls.__qualname__}.supported_kv_cache_layouts() is {[x.name for x in supported]}, not {wanted.name}"
         return None
     from vllm.v1.kv_cache_interface import get_kv_quant_mode
 
@@ -366,28 +371,131 @@ def cross_layer_tensor(
     return cross, [permuted[i] for i in range(num_layers)]
 
 
+def layer_kv_caches(
+    case: BackendCase | Any,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    heads: int,
+    head_size: int,
+    *,
+    model_dtype: torch.dtype = torch.bfloat16,
+    cache_dtype_str: str = "auto",
+    layout: str = "NHD",
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """What ``register_kv_caches`` receives for ``num_layers`` same-spec layers without cross-layer blocks, keyed
+    ``layer.{i}``. vLLM 0.27.1: one allocation per layer (``_allocate_kv_cache_tensors``, gpu_model_runner.py line
+    7312; layers sharing a KVCacheTensor, and the packed ``block_stride`` case of hybrid models, line 7328, are not
+    built here). vLLM 0.33.0: views into ONE backing allocation shared by all layers (``allocate_kv_cache``), so no
+    per-layer tensor is a whole allocation there."""
+    kwargs: dict[str, Any] = dict(model_dtype=model_dtype, cache_dtype_str=cache_dtype_str, layout=layout, dtype=dtype)
+    if api_generation() == "layout":
+        cls = case.cls if isinstance(case, BackendCase) else case
+        dtype = dtype or default_dtype(cls, cache_dtype_str, model_dtype)
+        views = _build_033(cls, num_layers, num_blocks, block_size, heads, head_size, dtype, cache_dtype_str, layout,
+                           False)[1]
+    else:
+        views = [kv_tensor(case, num_blocks, block_size, heads, head_size, **kwargs) for _ in range(num_layers)]
+    return {f"layer.{i}": v for i, v in enumerate(views)}
+
+
 # ------------------------------------------------------------------------------------------------ vLLM 0.33.0 recipe
+#
+# vLLM 0.33.0 has no get_kv_cache_shape / get_kv_cache_stride_order. A layer's cache is described by its KV spec
+# (FullAttentionSpec / MLAAttentionSpec, adjusted by ``backend.customize_spec``: vllm/v1/attention/backend.py line 141)
+# and one KVCacheLayout for the whole model (vllm/v1/kv_cache_layout.py: a permutation of [L, B, H, N, C]). Every
+# layer is a 4-D ``[B, H, N, C]`` view into ONE backing int8 allocation (vllm/v1/worker/utils.py allocate_kv_cache,
+# line 564; vllm/v1/kv_cache_interface.py create_kv_cache_views, line 418); there is no register_cross_layers_kv_cache:
+# a block-outermost layout (BLNHC, BLHNC, BHLNC) is what makes a block of every layer one range.
 
-_LAYOUT_NAMES_033 = {  # per layer (layer-compact) and cross-layer (block-outermost) for each familiar name
-    ("NHD", False): "LBNHC",
-    ("HND", False): "LHBNC",
-    ("NHD", True): "BLNHC",
-    ("HND", True): "BHLNC",
-}
-
-
-def _spec_033(cls: Any, block_size: int, heads: int, head_size: int, dtype: torch.dtype, cache_dtype_str: str) -> Any:
-    raise NotImplementedError("vLLM 0.33.0 support is added below once its spec API is read")
+CROSS_LAYOUTS_033 = {"NHD": "BLNHC", "HND": "BHLNC"}  # the 0.27.1 cross-layer memory orders, by their 0.33 names
 
 
-def _kv_tensor_033(cls: Any, num_blocks: int, block_size: int, heads: int, head_size: int, model_dtype: torch.dtype,
+def layout_033(layout: str, cross_layer: bool) -> Any:
+    """The KVCacheLayout for a familiar name: per layer, vLLM's own aliases (``vllm/config/cache.py`` line 26:
+    NHD -> LBNHC, HND -> LBHNC); cross-layer, CROSS_LAYOUTS_033; any KVCacheLayout member name passes through."""
+    from vllm.config.cache import _layout_from_name
+
+    name = CROSS_LAYOUTS_033.get(layout, layout) if cross_layer else layout
+    return _layout_from_name(name)
+
+
+def spec_033(cls: Any, block_size: int, heads: int, head_size: int, dtype: torch.dtype, cache_dtype_str: str) -> Any:
+    """The layer's KV spec as vLLM 0.33.0's attention layers build it, then ``cls.customize_spec`` (the backend's
+    packing: ROCm's two head groups, FlashInfer's nvfp4 slots, TurboQuant's slot bytes). MLA:
+    ``vllm/model_executor/layers/attention/mla_attention.py`` lines 1372-1399 (one head, 656/352-byte fp8_ds_mla /
+    nvfp4_ds_mla rows); the others: ``vllm/model_executor/layers/attention/attention.py`` get_kv_cache_spec
+    (line 611). The indexer and the sliding-window MLA cache are MLAAttentionSpec rows too (``deepseek_v2.py``
+    DeepseekV32IndexerCache.get_kv_cache_spec, ``sparse_swa.py`` line 120); their model-specific page alignment and
+    DeepSeek-V4's packed fp8_ds_mla row width are NOT reproduced here (they come from the model, not the backend)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, get_kv_quant_mode
+
+    mode = get_kv_quant_mode(cache_dtype_str)
+    if cls.is_mla() or is_indexer(cls) or heads == 1 and _token_row_name(cls):
+        spec = MLAAttentionSpec(
+            block_size=block_size, num_kv_heads=1, max_tp_shards=1, head_size=head_size, dtype=dtype,
+            cache_dtype_str=cache_dtype_str, kv_quant_mode=mode,
+            state_content_bytes={"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}.get(cache_dtype_str),
+        )
+    else:
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=heads, head_size=head_size,
+            head_size_v=getattr(cls, "head_size_v", None) or head_size, dtype=dtype, kv_quant_mode=mode,
+        )
+    return cls.customize_spec(spec)
+
+
+def _build_033(cls: Any, num_layers: int, num_blocks: int, block_size: int, heads: int, head_size: int,
+               dtype: torch.dtype, cache_dtype_str: str, layout: str, cross_layer: bool,
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One KV cache group of ``num_layers`` same-spec layers, planned as ``vllm/v1/core/kv_cache_planning.py``
+    get_kv_cache_config_from_groups does (lines 676-724: bytes per block, ``compute_layout_strides`` with the
+    interleaved block stride for block-outermost layouts) and allocated by vLLM's own ``allocate_kv_cache``."""
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+    )
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    kv_layout = layout_033(layout, cross_layer)
+    supported = cls.supported_kv_cache_layouts()
+    if supported is not None and kv_layout not in supported:
+        raise NotUsedByVllm(
+            f"{cls.__qualname__}.supported_kv_cache_layouts() is {[x.name for x in supported]}: vLLM never resolves "
+            f"{kv_layout.name} for it (vllm/v1/attention/backends/utils.py resolve_kv_cache_layout)"
+        )
+    spec = spec_033(cls, block_size, heads, head_size, dtype, cache_dtype_str)
+    names = [f"layer.{i}" for i in range(num_layers)]
+    bytes_per_block = spec.page_size_bytes * num_layers
+    interleaved = bytes_per_block if kv_layout.is_block_outermost else None
+    layer_stride, block_stride, _, _, _ = compute_layout_strides(
+        spec, num_blocks, num_layers, kv_layout, fixed_strides=(None, interleaved, None, None, None)
+    )
+    tensor = KVCacheTensor(size=bytes_per_block * num_blocks, layers=names, layer_stride=layer_stride,
+                           block_stride=block_stride)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+                           kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    caches = allocate_kv_cache(config, torch.device("cpu"), kv_layout)
+    views = [caches[n] for n in names]
+    backing = torch.empty(0, dtype=torch.int8).set_(views[0].untyped_storage())
+    return backing, views
+
+
+def _token_row_name(cls: Any) -> bool:
+    return "SparseSWA" in cls.__qualname__ or "Indexer" in cls.__qualname__ or "KpoolTail" in cls.__qualname__
+
+
+def _kv_tensor_033(cls: Any, num_blocks: int, block_size: int, heads: int, head_size: int, dtype: torch.dtype,
                    cache_dtype_str: str, layout: str) -> torch.Tensor:
-    raise NotImplementedError("vLLM 0.33.0 support is not written yet")
+    return _build_033(cls, 1, num_blocks, block_size, heads, head_size, dtype, cache_dtype_str, layout, False)[1][0]
 
 
 def _cross_layer_033(cls: Any, num_layers: int, num_blocks: int, block_size: int, heads: int, head_size: int,
-                     model_dtype: torch.dtype, cache_dtype_str: str, layout: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    raise NotImplementedError("vLLM 0.33.0 support is not written yet")
+                     dtype: torch.dtype, cache_dtype_str: str, layout: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return _build_033(cls, num_layers, num_blocks, block_size, heads, head_size, dtype, cache_dtype_str, layout, True)
 
 
 # ------------------------------------------------------------------------------------------------------ data function
