@@ -543,9 +543,11 @@ def accepted(cls: Any, block_size: int, head_size: int, cache_dtype_str: str) ->
 
 
 def cache_dtypes_for(case: BackendCase) -> tuple[str, ...]:
-    """auto/fp8/fp8_e4m3 plus every cache dtype the class itself lists (nvfp4, fp8_ds_mla, turboquant_*, ...)."""
+    """auto/fp8/fp8_e4m3 (and fp8_ds_mla for MLA-like classes: sparse_swa's 584-byte rows are only reachable with it,
+    though it does not list it) plus every cache dtype the class itself lists (nvfp4, turboquant_*, ...)."""
     own = tuple(str(d) for d in getattr(case.cls, "supported_kv_cache_dtypes", ()) or ())
-    return tuple(dict.fromkeys(BASE_CACHE_DTYPES + own))
+    mla = ("fp8_ds_mla",) if case.is_mla or _is_token_row(case) else ()
+    return tuple(dict.fromkeys(BASE_CACHE_DTYPES + mla + own))
 
 
 def parameter_grid(case: BackendCase) -> list[tuple[int, int, int, str]]:
@@ -610,3 +612,69 @@ def backend_records(cases: Sequence[BackendCase] | None = None) -> list[ShapeRec
                 continue
             records.append(ShapeRecord(**base, shape=shape, dtype=dtype, cross_layer=cross, **orders))
     return records
+
+
+# ------------------------------------------------------------------------------------------------------ summary table
+
+_SYMBOLS = {7: "nb", 32: "bs", 3: "heads", 64: "head", 128: "2*head"}
+
+
+def _symbolic(shape: Sequence[int], layers: int | None = None) -> str:
+    symbols = {**_SYMBOLS, **({layers: "L"} if layers else {})}
+    return "(" + ", ".join(symbols.get(int(x), str(int(x))) for x in shape) + ")"
+
+
+def summary_rows() -> list[dict[str, str]]:
+    """One row per discovered class, for docs and reports: the logical shape in symbols (nb=7, bs=32, heads=3,
+    head=64 are substituted back; MLA-like classes get heads=1 and their first listed head size), the memory order
+    per layer for NHD/HND and cross-layer, and the element dtype for "auto" (bf16 model) and "fp8"."""
+    rows: list[dict[str, str]] = []
+    for case in discover():
+        row = {"id": case.id, "name": case.name or "", "kind": case.kind, "note": (case.error or "")[:160]}
+        if case.kind == KV:
+            row.update(_describe(case))
+        rows.append(row)
+    return rows
+
+
+def _describe(case: BackendCase) -> dict[str, str]:
+    cls = case.cls
+    token_row = case.is_mla or is_indexer(cls) or _token_row_name(cls) or (api_generation() == "shape" and _is_token_row(case))
+    if is_indexer(cls):
+        heads, head = 1, INDEXER_SPEC[0]
+    elif token_row:
+        heads, head = 1, next((h for h in _listed(cls, "get_supported_head_sizes") if h in (576, 512)), 576)
+    else:
+        heads, head = 3, 64
+    cdt = "auto" if accepted(cls, 32, head, "auto") or not cls.supported_kv_cache_dtypes else cls.supported_kv_cache_dtypes[0]
+    out: dict[str, str] = {"cache_dtype": cdt}
+    if api_generation() == "layout":
+        supported = cls.supported_kv_cache_layouts()
+        out["layouts"] = "any" if supported is None else ",".join(x.name for x in supported)
+    for layout in LAYOUTS:
+        try:
+            t = kv_tensor(case, 7, 32, heads, head, cache_dtype_str=cdt, layout=layout)
+            order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+            out["logical"] = _symbolic(t.shape)
+            out[layout] = _symbolic([t.shape[d] for d in order])
+            out["dtype"] = str(t.dtype).removeprefix("torch.")
+        except Exception as exc:  # noqa: BLE001 - the refusal is the datum
+            out[layout] = f"refused: {str(exc)[:90]}"
+        try:
+            cross, views = cross_layer_tensor(case, 5, 7, 32, heads, head, cache_dtype_str=cdt, layout=layout)
+            if api_generation() == "shape":
+                out[f"cross_{layout}"] = _symbolic(cross.shape, layers=5)
+            else:  # one int8 backing: name the layout and the per-layer view's memory order
+                v = views[0]
+                order = sorted(range(v.dim()), key=lambda d: -v.stride(d))
+                out[f"cross_{layout}"] = (f"{layout_033(layout, True).name}: layer view memory "
+                                          f"{_symbolic([v.shape[d] for d in order])}, block stride {v.stride(0)}")
+        except Exception as exc:  # noqa: BLE001
+            out[f"cross_{layout}"] = f"none: {str(exc)[:90]}"
+    return out
+
+
+if __name__ == "__main__":
+    print(f"vLLM {vllm_version()} ({api_generation()} API)")
+    for r in summary_rows():
+        print(" | ".join(f"{k}={v}" for k, v in r.items()))
