@@ -2,20 +2,22 @@
 
 Not a test file. Tests import it to get their inputs from vLLM's own code instead of hand-written shapes:
 
-- ``discover()`` lists every backend class found in ``vllm.v1.attention.backends`` and ``...backends.mla`` (and in
-  vLLM's backend registry enums), including modules that fail to import on this machine (kept as data, with the
-  exception) and classes that have no KV shape (Mamba / linear / GDN / short-conv state, abstract bases).
-- ``attention_backends()`` keeps the classes with a concrete KV shape: the cases a KV layer must serve or refuse.
-- ``kv_tensor(...)`` builds one layer's KV tensor exactly as vLLM's GPU model runner does (memory order allocated from
-  a raw int8 buffer, viewed as the cache dtype, permuted to the logical shape);
-  ``cross_layer_tensor(...)`` builds the cross-layer tensor handed to ``register_cross_layers_kv_cache`` and the
-  per-layer views handed to ``register_kv_caches``.
-- ``kv_cache_layout("NHD" | "HND")`` selects the layout with vLLM's own override (``set_kv_cache_layout``).
-- ``backend_records()`` is the data function: shapes, stride orders and refusals for a grid of parameters.
+- ``discover()`` lists every backend class found in ``vllm.v1.attention.backends`` and ``...backends.mla`` (modules,
+  not sub-packages such as ``mla/prefill``) and in vLLM's backend registry enums, including modules that fail to
+  import on this machine (kept as data, with the exception) and classes without a KV cache (Mamba / linear / GDN /
+  short-conv state: NOT_KV; bases: ABSTRACT).
+- ``attention_backends()`` keeps the KV classes: the cases a KV layer must serve or refuse.
+- ``kv_tensor(...)`` builds one layer's KV tensor as vLLM's GPU model runner does; ``layer_kv_caches(...)`` the dict
+  ``register_kv_caches`` receives for several layers; ``cross_layer_tensor(...)`` the cross-layer allocation and its
+  per-layer views (0.27.1: the tensor handed to ``register_cross_layers_kv_cache``; 0.33.0: the shared int8 backing
+  of a block-outermost layout). ``NotUsedByVllm`` says where vLLM itself would not build the requested tensor.
+- ``kv_cache_layout("NHD" | "HND")`` selects the layout with vLLM's own mechanism and restores it.
+- ``backend_records()`` is the data function (shapes, stride orders, refusals over a parameter grid);
+  ``summary_rows()`` one row per class for docs (``python tests/vllm/vllm_kv_tensors.py`` prints them).
 
 Works against vLLM 0.27.1 (``get_kv_cache_shape`` / ``get_kv_cache_stride_order`` on each backend class) and
-vLLM 0.33.0 (no per-backend shape: one ``KVCacheLayout`` for the whole cache, views built by
-``vllm.v1.kv_cache_interface.create_kv_cache_views``); see ``api_generation()``.
+vLLM 0.33.0 (no per-backend shape: a KV spec adjusted by ``customize_spec`` and one ``KVCacheLayout`` for the whole
+cache, views from vLLM's ``allocate_kv_cache``); ``api_generation()`` says which.
 """
 
 from __future__ import annotations
