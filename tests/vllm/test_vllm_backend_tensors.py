@@ -52,10 +52,10 @@ def _shape_or_none(case: vkt.BackendCase, p: tuple[int, int, int, str]) -> tuple
         return None
 
 
-def _spec(case: vkt.BackendCase, block_size: int, heads: int, head_size: int, dtype: torch.dtype, cdt: str) -> Any:
+def _spec(case: vkt.BackendCase, block_size: int, heads: int, head_size: int, dtype: torch.dtype) -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    if case.is_mla or len(vkt.kv_cache_shape(case.cls, 1, block_size, heads, head_size, cdt)) == 3:
+    if vkt.is_row_cache(case):
         return MLAAttentionSpec(block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
     return FullAttentionSpec(
         block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype,
@@ -108,7 +108,7 @@ def test_kv_tensor_is_what_vllms_reshape_attention_kv_cache_builds(case: vkt.Bac
             shape = vkt.kv_cache_shape(case.cls, NUM_BLOCKS, bs, heads, head, cdt)
             order = vkt.stride_order(case.cls, len(shape))
         raw = torch.zeros(math.prod(shape) * ours.dtype.itemsize, dtype=torch.int8)
-        theirs = _reshape_attention_kv_cache(raw, _spec(case, bs, heads, head, ours.dtype, cdt), shape, order,
+        theirs = _reshape_attention_kv_cache(raw, _spec(case, bs, heads, head, ours.dtype), shape, order,
                                              NUM_BLOCKS, None)
         assert ours.shape == shape
         _same_view(ours, theirs)
@@ -133,7 +133,7 @@ def test_cross_layer_tensor_is_what_vllms_allocate_uniform_kv_caches_builds(case
             continue
         cross, views = vkt.cross_layer_tensor(case, num_layers, NUM_BLOCKS, bs, heads, head, cache_dtype_str=cdt,
                                               layout=layout)
-        spec = _spec(case, bs, heads, head, cross.dtype, cdt)
+        spec = _spec(case, bs, heads, head, cross.dtype)
         page = math.prod(vkt.kv_cache_shape(case.cls, 1, bs, heads, head, cdt)) * cross.element_size()
         assert spec.page_size_bytes == page, (case.id, spec.page_size_bytes, page)
         config = KVCacheConfig(
@@ -212,8 +212,7 @@ def test_backend_records_cover_every_case_and_refusals_carry_vllms_own_message()
 def test_layer_views_follow_the_kv_cache_layout_vllm_resolves(case: vkt.BackendCase, layout: str) -> None:
     """0.33.0: each layer is a [B, H, N, C] view of one shared int8 backing; its strides follow the layout's stride
     order (vllm/v1/kv_cache_layout.py) and C is the spec's content bytes over the element size."""
-    mla = case.is_mla or vkt.is_indexer(case.cls) or vkt._token_row_name(case.cls)
-    heads, head = (1, vkt.INDEXER_SPEC[0] if vkt.is_indexer(case.cls) else 576) if mla else (2, 64)
+    heads, head = vkt.typical_params(case)
     try:
         caches = vkt.layer_kv_caches(case, 3, NUM_BLOCKS, 64, heads, head, layout=layout)
     except vkt.NotUsedByVllm as refused:
@@ -232,11 +231,23 @@ def test_layer_views_follow_the_kv_cache_layout_vllm_resolves(case: vkt.BackendC
 @layout_api
 @pytest.mark.parametrize("case", CROSS_CASES, ids=_ids(CROSS_CASES))
 def test_block_outermost_layout_makes_a_block_of_every_layer_one_range(case: vkt.BackendCase) -> None:
-    mla = case.is_mla or vkt.is_indexer(case.cls) or vkt._token_row_name(case.cls)
-    heads, head = (1, vkt.INDEXER_SPEC[0] if vkt.is_indexer(case.cls) else 576) if mla else (2, 64)
+    heads, head = vkt.typical_params(case)
     backing, views = vkt.cross_layer_tensor(case, 3, NUM_BLOCKS, 64, heads, head, layout="NHD")
     block_bytes = backing.numel() // NUM_BLOCKS
     for b in range(NUM_BLOCKS):
         for view in views:
             start = view[b].data_ptr() - backing.data_ptr()
             assert b * block_bytes <= start < (b + 1) * block_bytes
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_block_dim_indexes_whole_blocks_of_the_logical_tensor(case: vkt.BackendCase) -> None:
+    """Torch indexing on block_dim picks one block; the lead's region checks compare against exactly this."""
+    bs, heads, head, cdt = _sample_params(case)[0] if SHAPE_API else (64, *vkt.typical_params(case), "auto")
+    for layout in vkt.vllm_layouts(case):
+        t = vkt.kv_tensor(case, NUM_BLOCKS, bs, heads, head, cache_dtype_str=cdt, layout=layout)
+        dim = vkt.block_dim(case, cdt, heads, head)
+        assert t.shape[dim] == NUM_BLOCKS
+        vkt.fill_distinct(t)
+        blocks = [t.select(dim, b) for b in range(NUM_BLOCKS)]
+        assert not torch.equal(blocks[0].to(torch.float32), blocks[1].to(torch.float32)), layout

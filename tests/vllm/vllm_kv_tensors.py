@@ -402,6 +402,41 @@ def layer_kv_caches(
     return {f"layer.{i}": v for i, v in enumerate(views)}
 
 
+def vllm_layouts(case: BackendCase | Any) -> list[str]:
+    """The layout names ``kv_tensor`` accepts for this class that vLLM could really pick: 0.27.x "NHD", "HND" (a
+    backend may ignore the choice: flex always stores NHD); 0.33 the class's ``supported_kv_cache_layouts()`` in
+    preference order, or all six KVCacheLayout names when it accepts any."""
+    if api_generation() == "shape":
+        return list(LAYOUTS)
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    cls = case.cls if isinstance(case, BackendCase) else case
+    supported = cls.supported_kv_cache_layouts()
+    return [x.name for x in (supported if supported is not None else KVCacheLayout)]
+
+
+def block_dim(case: BackendCase | Any, cache_dtype_str: str = "auto", heads: int = 2, head_size: int = 128) -> int:
+    """Which dimension of the logical tensor indexes blocks: 0 for every backend except ROCm's 0.27.1
+    ``(2, nb, bs, heads, head)`` (1). Found by asking vLLM for a distinctive num_blocks; 0.33 views are always
+    ``[B, H, N, C]``."""
+    if api_generation() == "layout":
+        return 0
+    cls = case.cls if isinstance(case, BackendCase) else case
+    marker = 7919
+    shape = kv_cache_shape(cls, marker, 64, heads, head_size, cache_dtype_str)
+    if shape.count(marker) != 1:
+        raise ValueError(f"{cls.__qualname__}: num_blocks={marker} appears {shape.count(marker)} times in {shape}")
+    return shape.index(marker)
+
+
+def fill_distinct(tensor: torch.Tensor) -> torch.Tensor:
+    """Write pseudo-random values 1..251 (exact in bf16, fp16 and the integer dtypes) through the tensor's own,
+    possibly permuted, view, so that bytes copied to the wrong place show. Returns the tensor."""
+    index = torch.arange(tensor.numel(), dtype=torch.int64).reshape(tensor.shape)
+    tensor.copy_((index * 2654435761 % 251 + 1).to(tensor.dtype))
+    return tensor
+
+
 # ------------------------------------------------------------------------------------------------ vLLM 0.33.0 recipe
 #
 # vLLM 0.33.0 has no get_kv_cache_shape / get_kv_cache_stride_order. A layer's cache is described by its KV spec
@@ -585,6 +620,23 @@ def _is_token_row(case: BackendCase) -> bool:
         return False
 
 
+def is_row_cache(case: BackendCase) -> bool:
+    """One row per token, no head dimension of its own: MLA latents, the sparse indexer, the sliding-window MLA
+    cache (0.27.1 ``(nb, bs, width)``; 0.33 ``(nb, 1, bs, width)``)."""
+    return bool(case.is_mla or is_indexer(case.cls) or _token_row_name(case.cls) or _is_token_row(case))
+
+
+def typical_params(case: BackendCase) -> tuple[int, int]:
+    """(heads, head_size) that vLLM builds for this class in practice: (1, 132) for the indexer, (1, 576) for
+    MLA-like row caches (512 where the class only lists 512), else (2, 64)."""
+    if is_indexer(case.cls):
+        return 1, INDEXER_SPEC[0]
+    if is_row_cache(case):
+        listed = [h for h in _listed(case.cls, "get_supported_head_sizes") if h in (576, 512)]
+        return 1, 576 if not listed or 576 in listed else listed[0]
+    return 2, 64
+
+
 def _orders(cls: Any, ndim: int) -> dict[str, tuple[int, ...] | None]:
     out: dict[str, tuple[int, ...] | None] = {}
     for layout in LAYOUTS:
@@ -641,13 +693,8 @@ def summary_rows() -> list[dict[str, str]]:
 
 def _describe(case: BackendCase) -> dict[str, str]:
     cls = case.cls
-    token_row = case.is_mla or is_indexer(cls) or _token_row_name(cls) or (api_generation() == "shape" and _is_token_row(case))
-    if is_indexer(cls):
-        heads, head = 1, INDEXER_SPEC[0]
-    elif token_row:
-        heads, head = 1, next((h for h in _listed(cls, "get_supported_head_sizes") if h in (576, 512)), 576)
-    else:
-        heads, head = 3, 64
+    heads, head = typical_params(case)
+    heads = 3 if heads == 2 else heads  # 3 heads: a symbol of its own in the printed shapes
     cdt = "auto" if accepted(cls, 32, head, "auto") or not cls.supported_kv_cache_dtypes else cls.supported_kv_cache_dtypes[0]
     out: dict[str, str] = {"cache_dtype": cdt}
     if api_generation() == "layout":
