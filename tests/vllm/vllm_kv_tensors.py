@@ -2,20 +2,22 @@
 
 Not a test file. Tests import it to get their inputs from vLLM's own code instead of hand-written shapes:
 
-- ``discover()`` lists every backend class found in ``vllm.v1.attention.backends`` and ``...backends.mla`` (and in
-  vLLM's backend registry enums), including modules that fail to import on this machine (kept as data, with the
-  exception) and classes that have no KV shape (Mamba / linear / GDN / short-conv state, abstract bases).
-- ``attention_backends()`` keeps the classes with a concrete KV shape: the cases a KV layer must serve or refuse.
-- ``kv_tensor(...)`` builds one layer's KV tensor exactly as vLLM's GPU model runner does (memory order allocated from
-  a raw int8 buffer, viewed as the cache dtype, permuted to the logical shape);
-  ``cross_layer_tensor(...)`` builds the cross-layer tensor handed to ``register_cross_layers_kv_cache`` and the
-  per-layer views handed to ``register_kv_caches``.
-- ``kv_cache_layout("NHD" | "HND")`` selects the layout with vLLM's own override (``set_kv_cache_layout``).
-- ``backend_records()`` is the data function: shapes, stride orders and refusals for a grid of parameters.
+- ``discover()`` lists every backend class found in ``vllm.v1.attention.backends`` and ``...backends.mla`` (modules,
+  not sub-packages such as ``mla/prefill``) and in vLLM's backend registry enums, including modules that fail to
+  import on this machine (kept as data, with the exception) and classes without a KV cache (Mamba / linear / GDN /
+  short-conv state: NOT_KV; bases: ABSTRACT).
+- ``attention_backends()`` keeps the KV classes: the cases a KV layer must serve or refuse.
+- ``kv_tensor(...)`` builds one layer's KV tensor as vLLM's GPU model runner does; ``layer_kv_caches(...)`` the dict
+  ``register_kv_caches`` receives for several layers; ``cross_layer_tensor(...)`` the cross-layer allocation and its
+  per-layer views (0.27.1: the tensor handed to ``register_cross_layers_kv_cache``; 0.33.0: the shared int8 backing
+  of a block-outermost layout). ``NotUsedByVllm`` says where vLLM itself would not build the requested tensor.
+- ``kv_cache_layout("NHD" | "HND")`` selects the layout with vLLM's own mechanism and restores it.
+- ``backend_records()`` is the data function (shapes, stride orders, refusals over a parameter grid);
+  ``summary_rows()`` one row per class for docs (``python tests/vllm/vllm_kv_tensors.py`` prints them).
 
 Works against vLLM 0.27.1 (``get_kv_cache_shape`` / ``get_kv_cache_stride_order`` on each backend class) and
-vLLM 0.33.0 (no per-backend shape: one ``KVCacheLayout`` for the whole cache, views built by
-``vllm.v1.kv_cache_interface.create_kv_cache_views``); see ``api_generation()``.
+vLLM 0.33.0 (no per-backend shape: a KV spec adjusted by ``customize_spec`` and one ``KVCacheLayout`` for the whole
+cache, views from vLLM's ``allocate_kv_cache``); ``api_generation()`` says which.
 """
 
 from __future__ import annotations
@@ -400,6 +402,41 @@ def layer_kv_caches(
     return {f"layer.{i}": v for i, v in enumerate(views)}
 
 
+def vllm_layouts(case: BackendCase | Any) -> list[str]:
+    """The layout names ``kv_tensor`` accepts for this class that vLLM could really pick: 0.27.x "NHD", "HND" (a
+    backend may ignore the choice: flex always stores NHD); 0.33 the class's ``supported_kv_cache_layouts()`` in
+    preference order, or all six KVCacheLayout names when it accepts any."""
+    if api_generation() == "shape":
+        return list(LAYOUTS)
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    cls = case.cls if isinstance(case, BackendCase) else case
+    supported = cls.supported_kv_cache_layouts()
+    return [x.name for x in (supported if supported is not None else KVCacheLayout)]
+
+
+def block_dim(case: BackendCase | Any, cache_dtype_str: str = "auto", heads: int = 2, head_size: int = 128) -> int:
+    """Which dimension of the logical tensor indexes blocks: 0 for every backend except ROCm's 0.27.1
+    ``(2, nb, bs, heads, head)`` (1). Found by asking vLLM for a distinctive num_blocks; 0.33 views are always
+    ``[B, H, N, C]``."""
+    if api_generation() == "layout":
+        return 0
+    cls = case.cls if isinstance(case, BackendCase) else case
+    marker = 7919
+    shape = kv_cache_shape(cls, marker, 64, heads, head_size, cache_dtype_str)
+    if shape.count(marker) != 1:
+        raise ValueError(f"{cls.__qualname__}: num_blocks={marker} appears {shape.count(marker)} times in {shape}")
+    return shape.index(marker)
+
+
+def fill_distinct(tensor: torch.Tensor) -> torch.Tensor:
+    """Write pseudo-random values 1..251 (exact in bf16, fp16 and the integer dtypes) through the tensor's own,
+    possibly permuted, view, so that bytes copied to the wrong place show. Returns the tensor."""
+    index = torch.arange(tensor.numel(), dtype=torch.int64).reshape(tensor.shape)
+    tensor.copy_((index * 2654435761 % 251 + 1).to(tensor.dtype))
+    return tensor
+
+
 # ------------------------------------------------------------------------------------------------ vLLM 0.33.0 recipe
 #
 # vLLM 0.33.0 has no get_kv_cache_shape / get_kv_cache_stride_order. A layer's cache is described by its KV spec
@@ -543,9 +580,11 @@ def accepted(cls: Any, block_size: int, head_size: int, cache_dtype_str: str) ->
 
 
 def cache_dtypes_for(case: BackendCase) -> tuple[str, ...]:
-    """auto/fp8/fp8_e4m3 plus every cache dtype the class itself lists (nvfp4, fp8_ds_mla, turboquant_*, ...)."""
+    """auto/fp8/fp8_e4m3 (and fp8_ds_mla for MLA-like classes: sparse_swa's 584-byte rows are only reachable with it,
+    though it does not list it) plus every cache dtype the class itself lists (nvfp4, turboquant_*, ...)."""
     own = tuple(str(d) for d in getattr(case.cls, "supported_kv_cache_dtypes", ()) or ())
-    return tuple(dict.fromkeys(BASE_CACHE_DTYPES + own))
+    mla = ("fp8_ds_mla",) if case.is_mla or _is_token_row(case) else ()
+    return tuple(dict.fromkeys(BASE_CACHE_DTYPES + mla + own))
 
 
 def parameter_grid(case: BackendCase) -> list[tuple[int, int, int, str]]:
@@ -581,6 +620,23 @@ def _is_token_row(case: BackendCase) -> bool:
         return False
 
 
+def is_row_cache(case: BackendCase) -> bool:
+    """One row per token, no head dimension of its own: MLA latents, the sparse indexer, the sliding-window MLA
+    cache (0.27.1 ``(nb, bs, width)``; 0.33 ``(nb, 1, bs, width)``)."""
+    return bool(case.is_mla or is_indexer(case.cls) or _token_row_name(case.cls) or _is_token_row(case))
+
+
+def typical_params(case: BackendCase) -> tuple[int, int]:
+    """(heads, head_size) that vLLM builds for this class in practice: (1, 132) for the indexer, (1, 576) for
+    MLA-like row caches (512 where the class only lists 512), else (2, 64)."""
+    if is_indexer(case.cls):
+        return 1, INDEXER_SPEC[0]
+    if is_row_cache(case):
+        listed = [h for h in _listed(case.cls, "get_supported_head_sizes") if h in (576, 512)]
+        return 1, 576 if not listed or 576 in listed else listed[0]
+    return 2, 64
+
+
 def _orders(cls: Any, ndim: int) -> dict[str, tuple[int, ...] | None]:
     out: dict[str, tuple[int, ...] | None] = {}
     for layout in LAYOUTS:
@@ -610,3 +666,64 @@ def backend_records(cases: Sequence[BackendCase] | None = None) -> list[ShapeRec
                 continue
             records.append(ShapeRecord(**base, shape=shape, dtype=dtype, cross_layer=cross, **orders))
     return records
+
+
+# ------------------------------------------------------------------------------------------------------ summary table
+
+_SYMBOLS = {7: "nb", 32: "bs", 3: "heads", 64: "head", 128: "2*head"}
+
+
+def _symbolic(shape: Sequence[int], layers: int | None = None) -> str:
+    symbols = {**_SYMBOLS, **({layers: "L"} if layers else {})}
+    return "(" + ", ".join(symbols.get(int(x), str(int(x))) for x in shape) + ")"
+
+
+def summary_rows() -> list[dict[str, str]]:
+    """One row per discovered class, for docs and reports: the logical shape in symbols (nb=7, bs=32, heads=3,
+    head=64 are substituted back; MLA-like classes get heads=1 and their first listed head size), the memory order
+    per layer for NHD/HND and cross-layer, and the element dtype for "auto" (bf16 model) and "fp8"."""
+    rows: list[dict[str, str]] = []
+    for case in discover():
+        row = {"id": case.id, "name": case.name or "", "kind": case.kind, "note": (case.error or "")[:160]}
+        if case.kind == KV:
+            row.update(_describe(case))
+        rows.append(row)
+    return rows
+
+
+def _describe(case: BackendCase) -> dict[str, str]:
+    cls = case.cls
+    heads, head = typical_params(case)
+    heads = 3 if heads == 2 else heads  # 3 heads: a symbol of its own in the printed shapes
+    cdt = "auto" if accepted(cls, 32, head, "auto") or not cls.supported_kv_cache_dtypes else cls.supported_kv_cache_dtypes[0]
+    out: dict[str, str] = {"cache_dtype": cdt}
+    if api_generation() == "layout":
+        supported = cls.supported_kv_cache_layouts()
+        out["layouts"] = "any" if supported is None else ",".join(x.name for x in supported)
+    for layout in LAYOUTS:
+        try:
+            t = kv_tensor(case, 7, 32, heads, head, cache_dtype_str=cdt, layout=layout)
+            order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+            out["logical"] = _symbolic(t.shape)
+            out[layout] = _symbolic([t.shape[d] for d in order])
+            out["dtype"] = str(t.dtype).removeprefix("torch.")
+        except Exception as exc:  # noqa: BLE001 - the refusal is the datum
+            out[layout] = f"refused: {str(exc)[:90]}"
+        try:
+            cross, views = cross_layer_tensor(case, 5, 7, 32, heads, head, cache_dtype_str=cdt, layout=layout)
+            if api_generation() == "shape":
+                out[f"cross_{layout}"] = _symbolic(cross.shape, layers=5)
+            else:  # one int8 backing: name the layout and the per-layer view's memory order
+                v = views[0]
+                order = sorted(range(v.dim()), key=lambda d: -v.stride(d))
+                out[f"cross_{layout}"] = (f"{layout_033(layout, True).name}: layer view memory "
+                                          f"{_symbolic([v.shape[d] for d in order])}, block stride {v.stride(0)}")
+        except Exception as exc:  # noqa: BLE001
+            out[f"cross_{layout}"] = f"none: {str(exc)[:90]}"
+    return out
+
+
+if __name__ == "__main__":
+    print(f"vLLM {vllm_version()} ({api_generation()} API)")
+    for r in summary_rows():
+        print(" | ".join(f"{k}={v}" for k, v in r.items()))
