@@ -24,7 +24,9 @@ def tensors_of(cache: Mapping[str, LayerValue]) -> list[torch.Tensor]:
 def fill(cache: Mapping[str, LayerValue], seed: int) -> None:
     offset = 0
     for t in tensors_of(cache):
-        words = t.view(-1).view(torch.uint8).view(torch.int64)
+        memory = t.permute(*sorted(range(t.dim()), key=lambda d: -t.stride(d)))  # vLLM hands a permuted view
+        assert memory.is_contiguous(), f"a cache tensor of strides {t.stride()} is not dense"
+        words = memory.view(-1).view(torch.uint8).view(torch.int64)
         torch.arange(offset, offset + words.numel(), dtype=torch.int64, out=words)
         words.mul_(0x9E3779B1).add_(seed << 40)
         offset += words.numel()

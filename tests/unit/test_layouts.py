@@ -131,6 +131,13 @@ CASES = [
         lambda t: [("kv_c+k_pe", t, 1, RANK + ROPE)],
     ),
     Case(
+        "mla_heads",
+        "mla_heads",
+        mla_spec,
+        spec_layout("mla_heads"),
+        lambda t: [("kv_c+k_pe", t[:, 0], 1, RANK + ROPE)],
+    ),
+    Case(
         "mla_split",
         "mla_split",
         mla_spec,

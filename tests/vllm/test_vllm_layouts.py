@@ -15,6 +15,7 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+import vllm_ascend_shapes
 from vllm_kv_tensors import (
     NotUsedByVllm,
     api_generation,
@@ -23,6 +24,7 @@ from vllm_kv_tensors import (
     is_indexer,
     kv_cache_shape,
     kv_tensor,
+    layer_kv_caches,
     parameter_grid,
     vllm_version,
 )
@@ -30,12 +32,14 @@ from vllm_kv_tensors import (
 from kvplane.backend import get_backend
 from kvplane.errors import LayoutError
 from kvplane.integrations.vllm.layouts import cross_layer_logical, layout_for_backend
-from kvplane.kv.binding import check_whole_allocations, regions_from_tensors
+from kvplane.integrations.vllm.worker import WorkerSide
+from kvplane.kv.binding import check_whole_allocations, matching_layouts, regions_from_tensors
 from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVGroup, KVSpec, LayerSpec, SlotSpec
 from kvplane.plan.planner import plan_transfer
 
-pytestmark = pytest.mark.skipif(api_generation() != "shape", reason="vLLM 0.33 has no per-backend shape function")
+shape_api = pytest.mark.skipif(api_generation() != "shape", reason="vLLM 0.33 has no per-backend get_kv_cache_shape: "
+                               "test_vllm_layouts_033 checks its caches")
 
 NB, ROPE = 24, 64
 CASES = attention_backends()
@@ -137,6 +141,7 @@ def vllm_config() -> object:
         yield None
 
 
+@shape_api
 def test_the_installed_vllm_has_attention_backends_to_check() -> None:
     assert len(CASES) >= 10, f"vLLM {vllm_version()}: only {len(CASES)} attention backends discovered"
     found = {c.qualname for c in CASES}
@@ -144,6 +149,7 @@ def test_the_installed_vllm_has_attention_backends_to_check() -> None:
     assert not missing, f"backends kvplane must serve were not discovered: {sorted(missing)}"
 
 
+@shape_api
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_every_attention_backend_is_served_with_torch_exact_regions_or_refused_by_name(case: object) -> None:
     rng = np.random.default_rng(11)
@@ -180,6 +186,7 @@ GRID = [(bs, h, d, cdt, mem) for bs in (16, 64) for h, d in ((2, 64), (8, 128), 
         for mem in ("NHD", "HND")]
 
 
+@shape_api
 @pytest.mark.parametrize("case", MAIN, ids=lambda c: c.id)
 def test_main_backends_are_served_over_heads_head_sizes_block_sizes_dtypes_and_memory_orders(case: object) -> None:
     rng = np.random.default_rng(5)
@@ -197,6 +204,7 @@ def test_main_backends_are_served_over_heads_head_sizes_block_sizes_dtypes_and_m
     assert checked >= 4, f"{case.id}: vLLM built only {checked} of the grid's tensors"  # type: ignore[attr-defined]
 
 
+@shape_api
 @pytest.mark.parametrize(
     "case", [c for c in CASES if c.qualname in ("FlashAttentionBackend", "TritonMLABackend")], ids=lambda c: c.id
 )
@@ -227,3 +235,71 @@ def test_a_cross_layer_cache_moves_one_descriptor_per_block_for_all_layers(case:
     for i in range(layers):
         src, dst = caches[0][f"layer.{i}"], caches[1][f"layer.{i}"]
         assert torch.equal(dst[torch.as_tensor(dst_ids)].view(torch.uint8), src[torch.as_tensor(src_ids)].view(torch.uint8))
+
+
+ASCEND = [b for b in vllm_ascend_shapes.ASCEND_BACKENDS
+          if b.handed in (vllm_ascend_shapes.GQA_KV, vllm_ascend_shapes.MLA_NOPE_ROPE)]
+
+
+@pytest.mark.parametrize("backend", ASCEND, ids=lambda b: b.id)
+def test_vllm_ascend_tuples_are_served_with_torch_exact_regions_as_its_runner_allocates_them(backend: object) -> None:
+    """vllm-ascend hands ``(k, v)`` or ``(nope, rope)``: separate allocations, each a 2 MiB-aligned view into a
+    slightly larger buffer, block size 128 (tests/vllm/vllm_ascend_shapes.py cites its model runner)."""
+    mla = backend.handed == vllm_ascend_shapes.MLA_NOPE_ROPE  # type: ignore[attr-defined]
+    value = vllm_ascend_shapes.ascend_kv_caches(backend, NB, heads=4, head_size=64)  # type: ignore[arg-type]
+    for t in value:
+        fill(t, seed=len(t.shape))
+    bs = value[0].shape[1]
+    layout = "mla_split" if mla else "split_kv"
+    if mla:
+        spec = spec_for("mla", bs, 1, value[0].shape[-1] + value[1].shape[-1], "bfloat16")
+    else:
+        spec = spec_for("gqa", bs, 4, 64, "bfloat16")
+    with pytest.raises(LayoutError, match="uncovered"):  # an aligned view leaves up to 2 MiB unused...
+        check_whole_allocations({"layer.0": value})
+    check_whole_allocations({"layer.0": value}, slack=2 << 20)  # ...which the npu backend's alignment allows
+    regions = regions_from_tensors(spec, {"layer.0": value}, layout)
+    for b in (0, 7, NB - 1):
+        for region, t in zip(regions, value):
+            got = region_slots(region, b, t.dtype)
+            (slot,) = got
+            assert torch.equal(got[slot].contiguous().view(torch.uint8), t[b].contiguous().view(torch.uint8))
+
+
+layout_api = pytest.mark.skipif(api_generation() != "layout", reason="vLLM 0.27 has a shape function per backend: "
+                                "the tests above check it")
+
+
+@layout_api
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("memory", ["NHD", "HND"])
+def test_033_every_attention_backends_layers_are_read_from_their_views_or_refused_by_name(
+    case: object, memory: str
+) -> None:
+    """vLLM 0.33: every layer is a ``[B, H, N, C]`` view into one allocation for all layers, in the one layout
+    the engine resolved; kvplane reads each family's layout from the first layer's view."""
+    block, heads, head, cache_dtype = params(case)
+    family = family_of(case)
+    try:
+        caches = layer_kv_caches(case, 3, NB, block, heads, head, cache_dtype_str=cache_dtype, layout=memory)
+    except Exception as e:  # noqa: BLE001 - vLLM refuses this layout for this backend (e.g. flex with HND)
+        pytest.skip(f"vLLM {vllm_version()} builds no {memory} cache for {case.id}: {e}")  # type: ignore[attr-defined]
+    first = caches["layer.0"]
+    spec = spec_for(family, block, heads, head, str(first.dtype).removeprefix("torch."), layers=3)
+    found = matching_layouts(spec, "layer.0", first)
+    if not found:
+        with pytest.raises(LayoutError, match=rf"{case.qualname}.*shape.*match no kvplane layout"):  # type: ignore[attr-defined]
+            WorkerSide._layout_of_tensor(spec, "layer.0", first, case.cls)  # type: ignore[attr-defined]
+        return
+    assert len(found) == 1, f"{case.id}: ambiguous layouts {[f.name for f in found]}"  # type: ignore[attr-defined]
+    check_whole_allocations(caches)  # the views together cover the one allocation
+    for t in caches.values():
+        fill(t, seed=3)
+    regions = regions_from_tensors(spec, caches, found[0])
+    for layer, region in zip(spec.layers, regions):
+        t = caches[layer.name]
+        for b in (0, 5, NB - 1):
+            want = reference_slots(t if t.dim() != 4 or family == "gqa" else t[:, 0], b, spec)
+            got = region_slots(region, b, t.dtype)
+            for slot in want:
+                assert torch.equal(got[slot].contiguous().view(torch.uint8), want[slot].contiguous().view(torch.uint8))

@@ -65,10 +65,10 @@ class WorkerSide:
         """
         self.spec = spec_from_vllm(self.kv_cache_config, list(kv_caches), kv_lora_rank=self.kv_lora_rank)
         backend = self.backend = self.backend or select_backend(self.config.device, kv_caches)
-        layouts = layouts_for({**backend.layouts, **self._read_layouts(kv_caches, attn_backends or {}, cache_dtype)},
-                              self.config.layouts)
+        read = self._read_layouts(kv_caches, attn_backends or {}, cache_dtype, backend.layouts)
+        layouts = layouts_for({**backend.layouts, **read}, self.config.layouts)
         if whole:
-            check_whole_allocations(kv_caches)
+            check_whole_allocations(kv_caches, slack=backend.registration_alignment)
         regions_from_tensors(self.spec, kv_caches, layouts)  # every LayoutError before any flow registers memory
         if self.config.offload is not None:
             self.offload = OffloadEngine(backend, self.spec, kv_caches, self.config.offload, layouts=layouts,
@@ -103,28 +103,29 @@ class WorkerSide:
                                 cache_dtype, whole=False)
 
     def _read_layouts(
-        self, kv_caches: Mapping[str, LayerValue], attn_backends: Mapping[str, Any], cache_dtype: str
+        self, kv_caches: Mapping[str, LayerValue], attn_backends: Mapping[str, Any], cache_dtype: str,
+        defaults: Mapping[str, str],
     ) -> dict[str, str]:
         """Each family's layout, read from the attention backend's shape function where it has one, else from the
-        first layer's tensor (vLLM 0.33 describes one cache layout for all layers instead); one per family."""
+        first layer's tensor (vLLM 0.33 describes one cache layout for all layers instead); one per family. The
+        config's ``layouts`` still override what is read here."""
         spec = self.spec
         if spec is None:
             return {}
         found: dict[str, tuple[str, str]] = {}
         for layer in spec.layers:
             backend_cls = attn_backends.get(layer.name)
-            if backend_cls is None and layer.family in found:
-                continue
+            if layer.family in (self.config.layouts or {}) or (backend_cls is None and layer.family in found):
+                continue  # the config names this family's layout, or one layer's tensor already told
             if backend_cls is not None and hasattr(backend_cls, "get_kv_cache_shape"):
                 head_size = (sum(s.head_dim for s in layer.slots) if layer.family == "mla"
                              else layer.slots[0].head_dim)
                 block_size = spec.group(layer.group_id).tokens_per_block
                 layout = layout_for_backend(backend_cls, layer.family, head_size, block_size, layer.slots[0].dtype,
                                             cache_dtype)
-            elif attn_backends:  # an engine that names backends but not their shapes: read the tensor
-                layout = self._layout_of_tensor(spec, layer.name, kv_caches[layer.name], backend_cls)
-            else:
-                continue  # no engine information at all: the device backend's defaults apply
+            else:  # no shape function (vLLM 0.33, vllm-ascend, no model loaded): the tensor decides
+                layout = self._layout_of_tensor(spec, layer.name, kv_caches[layer.name], backend_cls,
+                                                defaults.get(layer.family))
             who = backend_name(backend_cls) if backend_cls is not None else "its tensor"
             seen = found.setdefault(layer.family, (layout.name, who))
             if seen[0] != layout.name:
@@ -135,10 +136,13 @@ class WorkerSide:
         return {family: name for family, (name, _) in found.items()}
 
     @staticmethod
-    def _layout_of_tensor(spec: KVSpec, layer_name: str, value: LayerValue, backend_cls: Any) -> Layout:
+    def _layout_of_tensor(
+        spec: KVSpec, layer_name: str, value: LayerValue, backend_cls: Any, default: str | None = None
+    ) -> Layout:
         candidates = matching_layouts(spec, layer_name, value)
-        if len(candidates) == 1:
-            return candidates[0]
+        preferred = [c for c in candidates if c.name == default]
+        if preferred or len(candidates) == 1:
+            return (preferred or candidates)[0]
         shapes = [tuple(t.shape) for t in ((value,) if hasattr(value, "shape") else value)]
         layer = spec.layer(layer_name)
         raise LayoutError(

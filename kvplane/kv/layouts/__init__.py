@@ -13,12 +13,13 @@ from kvplane.kv.layouts.block_kv import BLOCK_KV
 from kvplane.kv.layouts.index import INDEX
 from kvplane.kv.layouts.kv_first import KV_FIRST
 from kvplane.kv.layouts.mla_fused import FUSED_SLOT, MLA_FUSED
+from kvplane.kv.layouts.mla_heads import MLA_HEADS
 from kvplane.kv.layouts.mla_split import MLA_SPLIT
 from kvplane.kv.layouts.packed_kv import PACKED_KV
 from kvplane.kv.layouts.split_kv import SPLIT_KV
 
 LAYOUTS: dict[str, Layout] = {
-    layout.name: layout for layout in (PACKED_KV, KV_FIRST, BLOCK_KV, MLA_FUSED, SPLIT_KV, MLA_SPLIT, INDEX)
+    layout.name: layout for layout in (PACKED_KV, KV_FIRST, BLOCK_KV, MLA_FUSED, MLA_HEADS, SPLIT_KV, MLA_SPLIT, INDEX)
 }
 
 
