@@ -17,6 +17,7 @@ import torch
 import zmq
 from framed import FramedProcess
 from kvfill import digest
+from kvref import canonical
 from pair import Engine, make, push_params, small_spec
 from rank_pool import spawn
 
@@ -321,9 +322,11 @@ def test_layerwise_push_writes_each_layer_as_soon_as_it_is_saved(engine: str) ->
         time.sleep(0.3)  # the registration lands before the first layer is saved
 
         def layer_landed(name: str) -> bool:  # compared as bits: the seeded pattern holds NaNs as floats
-            got = decode.cache[name][:, d_ids].reshape(2, -1)[:, : 40 * 128].view(torch.int32)
-            want = prefill.cache[name][:, p_ids].reshape(2, -1)[:, : 40 * 128].view(torch.int32)
-            return bool(torch.equal(got, want))
+            layer = spec.layer(name)
+            got = canonical("packed_kv", decode.cache[name], np.asarray(d_ids), 40, layer)
+            want = canonical("packed_kv", prefill.cache[name], np.asarray(p_ids), 40, layer)
+            return all(torch.equal(got[s].contiguous().view(torch.int32), want[s].contiguous().view(torch.int32))
+                       for s in want)
 
         prefill.side.save_layer("layers.0")
         wait_until(lambda: layer_landed("layers.0"), 10, "layer 0 arriving at decode")
