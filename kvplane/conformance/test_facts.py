@@ -23,7 +23,7 @@ def test_the_backend_is_the_one_selected_and_says_whether_it_is_emulated(
     assert kvplane_backend.name == kvplane_device.name
     assert kvplane_backend.emulated == kvplane_device.emulated
     assert kvplane_backend.label == kvplane_device.label
-    assert ("(emulated)" in kvplane_backend.label) == kvplane_backend.emulated
+    assert ("emulated" in kvplane_backend.name) == ("emulated" in kvplane_backend.label) == kvplane_backend.emulated
     assert type(kvplane_backend).probe().available
 
 

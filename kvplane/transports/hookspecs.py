@@ -1,21 +1,8 @@
-"""The pluggy hook a transport plugin implements. A plugin object is named by an entry point in the group
-``kvplane.transports``; the built-in Mooncake and NIXL transports register through the same group."""
+"""What a transport plugin imports to mark its hook: ``@hookimpl def kvplane_transport() -> type[Transport]``.
 
-from __future__ import annotations
+The hooks themselves are declared once, in ``kvplane.hookspecs``; this name stays for transport packages.
+"""
 
-from typing import TYPE_CHECKING
+from kvplane.hookspecs import PROJECT, hookimpl, kvplane_transport
 
-import pluggy
-
-if TYPE_CHECKING:
-    from kvplane.transports.base import Transport
-
-PROJECT = "kvplane"
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
-
-
-@hookspec
-def kvplane_transport() -> type[Transport]:  # type: ignore[empty-body]
-    """Return the Transport subclass this plugin provides. Called only when the transport is chosen or listed;
-    the engine's package is imported later still, by ``Transport.available`` or the constructor."""
+__all__ = ["PROJECT", "hookimpl", "kvplane_transport"]
