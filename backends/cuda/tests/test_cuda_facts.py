@@ -83,6 +83,17 @@ def test_probe_declines_here_and_says_what_to_install() -> None:
         assert "no cuda device is visible" in probe.reason
 
 
+def test_a_rocm_build_of_torch_is_declined_even_with_gpus_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ROCm torch answers to torch.cuda with AMD GPUs: a ROCm backend, not this one, claims them
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    probe = CudaBackend.probe()
+    assert not probe.available
+    assert "ROCm (HIP 6.2.41133) build" in probe.reason and "install a ROCm backend" in probe.reason
+
+
 def test_importing_the_plugin_does_not_initialise_cuda() -> None:
     code = textwrap.dedent(
         """
