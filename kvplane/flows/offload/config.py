@@ -35,7 +35,8 @@ class StoreConfig:
     stored in the host tier is also put to the store as soon as its copy is done; otherwise blocks go to the
     store when the host tier evicts them. Every store call is bounded by ``timeout_s`` plus the time its bytes
     take at ``min_gbps``; a call past its bound, or an unhealthy client, turns the store off for
-    ``retry_after_s`` with a warning, and requests carry on with the host tier alone.
+    ``retry_after_s`` with a warning, and requests carry on with the host tier alone. A monitor thread asks
+    the client's health every ``health_interval_s``; calls read the last answer and never wait for one.
     """
 
     master_address: str
@@ -51,6 +52,7 @@ class StoreConfig:
     min_gbps: float = 0.5
     setup_timeout_s: float = 10.0
     retry_after_s: float = 10.0
+    health_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         host, _, port = self.master_address.rpartition(":")
@@ -65,7 +67,7 @@ class StoreConfig:
         if self.segment_bytes < 0:
             raise invalid(OffloadConfigError, "StoreConfig", "segment_bytes", self.segment_bytes, "must be >= 0")
         _positive("StoreConfig", "local_buffer_bytes", self.local_buffer_bytes)
-        for name in ("timeout_s", "min_gbps", "setup_timeout_s", "retry_after_s"):
+        for name in ("timeout_s", "min_gbps", "setup_timeout_s", "retry_after_s", "health_interval_s"):
             _positive("StoreConfig", name, getattr(self, name))
         if not self.namespace or "/" in self.namespace:
             raise invalid(OffloadConfigError, "StoreConfig", "namespace", self.namespace,
