@@ -9,6 +9,7 @@ fixture with ``add``) is used only when named.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -109,14 +110,10 @@ class BackendRegistry(PluginRegistry[Backend]):
         )
 
 
-_default: BackendRegistry | None = None
-
-
+@functools.cache
 def default_registry() -> BackendRegistry:
-    global _default
-    if _default is None:
-        _default = BackendRegistry()
-    return _default
+    """This process's registry: the installed entry points, plus what test fixtures ``add``."""
+    return BackendRegistry()
 
 
 def get_backend(requested: str | None = None, device_index: int = 0) -> Backend:

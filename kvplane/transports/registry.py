@@ -7,6 +7,7 @@ built. A broken plugin is reported with its reason, never fatal to listing the o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from importlib.metadata import EntryPoint
 
@@ -61,14 +62,10 @@ class TransportRegistry(PluginRegistry[Transport]):
         return out
 
 
-_default: TransportRegistry | None = None
-
-
+@functools.cache
 def default_registry() -> TransportRegistry:
-    global _default
-    if _default is None:
-        _default = TransportRegistry()
-    return _default
+    """This process's registry: the installed entry points, plus what test fixtures ``add``."""
+    return TransportRegistry()
 
 
 def get_transport_class(name: str) -> type[Transport]:
