@@ -1,7 +1,8 @@
 """One plugin registry for every kind of kvplane plugin: entry points, loaded lazily through pluggy.
 
 ``BackendRegistry`` (``kvplane.backend.registry``) and ``TransportRegistry`` (``kvplane.transports.registry``)
-are this class bound to one entry-point group, one hook of ``kvplane.hookspecs`` and one base class; they add
+are this class bound to one entry-point group, one hook (declared in the kind's ``hookspecs`` module) and one
+base class; they add
 only what selecting their kind means. A plugin module is imported only when its name is loaded or listed,
 ``check_pending`` refuses a misspelled hook, and a broken plugin is remembered with its reason (never fatal
 to loading the others). ``add`` registers a plugin that no installed distribution declares: test doubles
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from importlib.metadata import EntryPoint, entry_points
+from types import ModuleType
 from typing import Generic, TypeVar, cast
 
 import pluggy
 
-from kvplane import hookspecs
+from kvplane.hookspecs import PROJECT
 
 T = TypeVar("T")
 
@@ -30,15 +32,17 @@ class PluginRegistry(Generic[T]):
     """The classes that plugins of one kind provide, by entry-point name."""
 
     def __init__(
-        self, group: str, hook: str, base: type, list_entry_points: Callable[[], Iterable[EntryPoint]]
+        self, group: str, specs: ModuleType, hook: str, base: type,
+        list_entry_points: Callable[[], Iterable[EntryPoint]],
     ) -> None:
-        """``base``: the (abstract) class every plugin of this kind returns a subclass of, named by ``name``."""
+        """``specs`` declares ``hook``; ``base`` is the (abstract) class every plugin of this kind returns a
+        subclass of, named by its ``name``."""
         self.group, self.hook, self.base = group, hook, base
         self.kind = base.__name__.lower()
         self._list_entry_points = list_entry_points
         self._added: list[EntryPoint] = []
-        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self._pm.add_hookspecs(hookspecs)
+        self._pm = pluggy.PluginManager(PROJECT)
+        self._pm.add_hookspecs(specs)
         self._classes: dict[str, type[T]] = {}
         self._errors: dict[str, str] = {}
 

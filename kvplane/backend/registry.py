@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint
 
+from kvplane.backend import hookspecs
 from kvplane.backend.base import Backend, Probe
 from kvplane.errors import BackendError, BackendUnavailable, UnknownBackend
 from kvplane.plugins import PluginRegistry, installed_entry_points
@@ -44,7 +45,7 @@ class BackendRegistry(PluginRegistry[Backend]):
     """Loads backend plugins on demand and selects one."""
 
     def __init__(self, list_entry_points: Callable[[], Iterable[EntryPoint]] = installed_entry_points(GROUP)) -> None:
-        super().__init__(GROUP, "kvplane_backend", Backend, list_entry_points)
+        super().__init__(GROUP, hookspecs, "kvplane_backend", Backend, list_entry_points)
 
     def load(self, name: str) -> type[Backend] | None:
         """Import one backend plugin; None (with the reason kept for ``status``) when its module is broken."""

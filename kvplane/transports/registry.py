@@ -13,6 +13,7 @@ from importlib.metadata import EntryPoint
 
 from kvplane.errors import TransportUnavailable
 from kvplane.plugins import PluginRegistry, installed_entry_points
+from kvplane.transports import hookspecs
 from kvplane.transports.base import Transport
 
 GROUP = "kvplane.transports"
@@ -34,7 +35,7 @@ class TransportRegistry(PluginRegistry[Transport]):
     """Loads transport plugins on demand (the shared ``PluginRegistry``), and says which can run here."""
 
     def __init__(self, list_entry_points: Callable[[], Iterable[EntryPoint]] = _installed_entry_points) -> None:
-        super().__init__(GROUP, "kvplane_transport", Transport, list_entry_points)
+        super().__init__(GROUP, hookspecs, "kvplane_transport", Transport, list_entry_points)
 
     def get(self, name: str) -> type[Transport]:
         """The transport class registered as ``name``; ``TransportUnavailable`` when unknown or broken."""
