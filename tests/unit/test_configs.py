@@ -70,6 +70,8 @@ def connector(extra: dict[str, Any], role: str = "kv_both", tp_size: int = 1) ->
          ["$.disagg.transport='mooncak' is not an installed transport", "'mooncake'", "'nixl'"]),
         ({"disagg": {"mode": "pul"}}, ["$.disagg.mode='pul'", "choose one of ['pull', 'push', 'layerwise']"]),
         ({"disagg": {"lease_s": "long"}}, ["$.disagg.lease_s='long'", "expected `float`"]),
+        ({"offload": {"host_bytes": 1}, "cross_layer_blocks": "yes"},
+         ["$.cross_layer_blocks='yes'", "expected `bool`, got `str`"]),
     ],
 )
 def test_a_connector_config_error_names_the_path_the_value_and_the_choices(

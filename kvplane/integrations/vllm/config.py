@@ -52,6 +52,7 @@ class ExtraConfig:
     device: str | None = None
     layouts: dict[str, str] | None = None
     lookup_timeout_s: float = 5.0
+    cross_layer_blocks: bool = True
 
 
 KNOWN = tuple(f.name for f in fields(ExtraConfig))
@@ -73,6 +74,7 @@ class ConnectorConfig:
     device: str | None = None
     layouts: Mapping[str, str] | None = None
     lookup_timeout_s: float = 5.0
+    cross_layer_blocks: bool = True  # ask vLLM for one tensor of all layers where its layout allows (NHD)
 
     @property
     def is_prefill(self) -> bool:
@@ -160,4 +162,4 @@ class ConnectorConfig:
                   path="$.disagg")  # every type and DisaggConfig check, now rather than in a worker
             disagg = dict(raw)
         return cls(role, safe_id, boot_id, tp_size, offload, disagg, typed.device, typed.layouts,
-                   typed.lookup_timeout_s)
+                   typed.lookup_timeout_s, typed.cross_layer_blocks)
