@@ -113,3 +113,31 @@ def test_its_options_exist_only_when_the_plugin_is_asked_for(environment: tuple[
     proc = run_pytest(environment, "--kvplane-device=cpu", "test_someone_elses.py")
     assert proc.returncode == 4  # pytest's usage error
     assert "unrecognized arguments: --kvplane-device=cpu" in proc.stderr
+
+
+WITHOUT_EXTRAS = """
+import sys
+class Block:  # an environment where only the runtime dependencies are installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("pytest", "_pytest", "rich", "matplotlib"):
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, Block())
+from kvplane.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def kvplane_without_extras(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "KVPLANE_DEVICE"}
+    return subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS, *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_kvplane_runs_without_pytest_or_rich_and_names_the_extra_a_command_needs() -> None:
+    info = kvplane_without_extras("info")
+    assert info.returncode == 0, info.stderr
+    assert "cpu    available" in info.stdout
+    conformance = kvplane_without_extras("conformance", "--device", "cpu")
+    assert conformance.returncode == 2 and "pip install 'kvplane[conformance]'" in conformance.stderr
+    bench = kvplane_without_extras("bench", "--quick")
+    assert bench.returncode == 2 and "pip install 'kvplane[bench]'" in bench.stderr
