@@ -41,7 +41,7 @@ def check_keys(cls: Any, raw: Mapping[str, Any], what: str, error: type[Exceptio
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise error(f"{what} has unknown key(s) {unknown}; known: {sorted(known)}")
+        raise error(f"{what} has unknown key(s) {unknown}; kvplane knows {sorted(known)}")
 
 
 def build(cls: type[T], raw: Any, *, what: str, error: type[Exception], path: str = "$") -> T:

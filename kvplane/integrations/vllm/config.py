@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvplane.backend.registry import default_registry as backends
-from kvplane.config import build
+from kvplane.config import build, check_keys
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.offload.config import OffloadConfig
@@ -53,9 +53,6 @@ class ExtraConfig:
     layouts: dict[str, str] | None = None
     lookup_timeout_s: float = 5.0
     cross_layer_blocks: bool = True
-
-
-KNOWN = tuple(f.name for f in fields(ExtraConfig))
 
 
 def _one_of(path: str, value: Any, choices: list[str], what: str) -> None:
@@ -110,11 +107,7 @@ class ConnectorConfig:
     ) -> ConnectorConfig:
         """Parse and check ``kv_connector_extra_config``; ``role`` is ``kv_transfer_config.kv_role``."""
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(KNOWN))
-        if unknown:
-            raise ConnectorConfigError(
-                f"kv_connector_extra_config has unknown key(s) {unknown}; kvplane knows {list(KNOWN)}"
-            )
+        check_keys(ExtraConfig, extra, f"{WHAT}: $", ConnectorConfigError)
         if role not in ROLES:
             raise ConnectorConfigError(f"kv_role={role!r} is not one of {ROLES}; set it in --kv-transfer-config")
         if "offload" not in extra and "disagg" not in extra:
