@@ -11,27 +11,21 @@ events; pinned host memory; plans executed for every layout with random block id
 compared against torch indexing; registration spans within the backend's alignment and region limit;
 collectives across two processes; copy bandwidth against a contiguous ``copy_``, reported and never asserted.
 
-``-p kvplane.conformance`` loads this package as the plugin: its hooks and fixtures are those of
-``kvplane.conformance.plugin``, re-exported here. There is no ``pytest11`` entry point, so no other pytest
+``-p kvplane.conformance`` loads this package, which registers ``kvplane.conformance.plugin`` (its options,
+fixtures and report) with pytest; importing the package imports neither pytest nor the plugin. There is no ``pytest11`` entry point, so no other pytest
 session loads it. Every test id carries the device (``[npu-emulated-...]`` on an emulated device).
 """
 
-from kvplane.conformance.plugin import (
-    kvplane_backend,
-    kvplane_bandwidth_bytes,
-    kvplane_report,
-    pytest_addoption,
-    pytest_collection_modifyitems,
-    pytest_configure,
-    pytest_generate_tests,
-)
+from __future__ import annotations
 
-__all__ = [
-    "kvplane_backend",
-    "kvplane_bandwidth_bytes",
-    "kvplane_report",
-    "pytest_addoption",
-    "pytest_collection_modifyitems",
-    "pytest_configure",
-    "pytest_generate_tests",
-]
+from typing import Any
+
+
+def pytest_load_initial_conftests(early_config: Any, parser: Any, args: list[str]) -> None:
+    """Register the suite's plugin before the command line is parsed, after installed plugins are loaded (so
+    an environment whose old metadata still declares it as a ``pytest11`` plugin gets it once, not twice)."""
+    from kvplane.conformance import plugin
+
+    manager = early_config.pluginmanager
+    if not manager.is_registered(plugin):
+        manager.register(plugin, "kvplane.conformance.plugin")
