@@ -4,7 +4,9 @@
  * Accelerator backends (kvplane/backend/accelerator.py) resolve the vendor function (cudaMemcpyAsync,
  * aclrtMemcpyAsync, cnrtMemcpyAsync_V2, or CUDA's cudaMemcpyBatchAsync) to a raw address and hand it here with
  * the plan's three int64 arrays and the stream's raw handle: one call per plan, no Python per descriptor, the
- * GIL released while descriptors are enqueued. Nothing is gathered on the device first.
+ * GIL released while descriptors are enqueued. Nothing is gathered on the device first. A backend whose vendor
+ * function has another calling convention brings its own loop with the "plan" signature (plan_fn below): the
+ * convention lives in the backend package, and this file does not change for it.
  *
  * The emulated functions at the end stand in for the vendor library on machines without the device
  * (kvplane/testing/emulated.py): they take exactly the vendor signatures and memcpy synchronously, so the real
@@ -43,7 +45,13 @@ typedef int (*cuda_batch12_fn)(void **, void **, size_t *, size_t, cuda_memcpy_a
 typedef int (*cuda_batch13_fn)(void **, void **, size_t *, size_t, cuda_memcpy_attributes *, size_t *, size_t,
                                void *);
 
-typedef enum { SIG_CUDA, SIG_ACL, SIG_CNRT, SIG_CUDA_BATCH12, SIG_CUDA_BATCH13, SIG_UNKNOWN } signature_t;
+/* A backend package's own plan function, for a calling convention this file does not know (a SYCL queue's
+ * memcpy, a future NPU's): it loops over the descriptors itself and returns -1 when all were enqueued, else the
+ * index of the first that failed (n when it cannot name one) with the vendor's code in *code. */
+typedef int64_t (*plan_fn)(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n, int kind,
+                           void *stream, int *code);
+
+typedef enum { SIG_CUDA, SIG_ACL, SIG_CNRT, SIG_CUDA_BATCH12, SIG_CUDA_BATCH13, SIG_PLAN, SIG_UNKNOWN } signature_t;
 
 static signature_t parse_signature(const char *name) {
     if (strcmp(name, "cuda") == 0) return SIG_CUDA;
@@ -51,6 +59,7 @@ static signature_t parse_signature(const char *name) {
     if (strcmp(name, "cnrt") == 0) return SIG_CNRT;
     if (strcmp(name, "cuda_batch12") == 0) return SIG_CUDA_BATCH12;
     if (strcmp(name, "cuda_batch13") == 0) return SIG_CUDA_BATCH13;
+    if (strcmp(name, "plan") == 0) return SIG_PLAN;
     return SIG_UNKNOWN;
 }
 
@@ -114,7 +123,7 @@ static PyObject *copy_batch_async(PyObject *self, PyObject *args) {
     signature_t sig = parse_signature(sig_name);
     if (sig == SIG_UNKNOWN) {
         PyErr_Format(PyExc_ValueError,
-                     "signature=%R is unknown; use cuda, acl, cnrt, cuda_batch12 or cuda_batch13",
+                     "signature=%R is unknown; use cuda, acl, cnrt, cuda_batch12, cuda_batch13 or plan",
                      PyTuple_GET_ITEM(args, 1));
         return NULL;
     }
@@ -146,7 +155,11 @@ static PyObject *copy_batch_async(PyObject *self, PyObject *args) {
     void *fn = (void *)(uintptr_t)fn_addr, *stream = (void *)(uintptr_t)stream_addr;
     if (n > 0) {
         Py_BEGIN_ALLOW_THREADS
-        if (sig == SIG_CUDA_BATCH12 || sig == SIG_CUDA_BATCH13)
+        if (sig == SIG_PLAN) {
+            int64_t at = ((plan_fn)fn)((const int64_t *)src.buf, (const int64_t *)dst.buf, lens, (int64_t)n, kind,
+                                       stream, &code);
+            failed = at < 0 ? -1 : (at > n ? n : (Py_ssize_t)at);
+        } else if (sig == SIG_CUDA_BATCH12 || sig == SIG_CUDA_BATCH13)
             failed = batch(fn, sig, (const int64_t *)src.buf, (const int64_t *)dst.buf, lens, n, stream, &code);
         else
             failed = loop(fn, sig, (const int64_t *)src.buf, (const int64_t *)dst.buf, lens, n, kind, stream,
@@ -223,6 +236,19 @@ static int emulated_cuda_batch13(void **dsts, void **srcs, size_t *sizes, size_t
     return emulated_cuda_batch12(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, NULL, stream);
 }
 
+static int64_t emulated_plan(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n, int kind,
+                             void *stream, int *code) {
+    (void)stream;
+    for (int64_t i = 0; i < n; i++) {
+        if (dst[i] == 0 || src[i] == 0 || kind < 0) {
+            *code = EMULATED_INVALID_ARGUMENT;
+            return i;
+        }
+        memcpy((void *)(intptr_t)dst[i], (const void *)(intptr_t)src[i], (size_t)len[i]);
+    }
+    return -1;
+}
+
 static PyObject *emulated_function(PyObject *self, PyObject *args) {
     const char *sig_name;
     if (!PyArg_ParseTuple(args, "s", &sig_name)) return NULL;
@@ -233,6 +259,7 @@ static PyObject *emulated_function(PyObject *self, PyObject *args) {
     case SIG_CNRT: fn = (void *)&emulated_cnrt; break;
     case SIG_CUDA_BATCH12: fn = (void *)&emulated_cuda_batch12; break;
     case SIG_CUDA_BATCH13: fn = (void *)&emulated_cuda_batch13; break;
+    case SIG_PLAN: fn = (void *)&emulated_plan; break;
     default:
         PyErr_Format(PyExc_ValueError, "signature=%R is unknown; use cuda, acl, cnrt, cuda_batch12 or cuda_batch13",
                      PyTuple_GET_ITEM(args, 0));

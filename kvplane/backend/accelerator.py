@@ -6,10 +6,17 @@ and set only device facts as class attributes; everything here goes through the 
 ``Event`` are subclasses of PyTorch's device-generic ``torch.Stream``/``torch.Event`` that also carry the raw
 handle. No device name is tested anywhere in this file. Probing lives in ``probing`` (re-exported here).
 
-Plans run through the vendor's async memcpy, looped in C over the plan's arrays (``vendor_copy``); a backend
-states the library, symbol, signature, kind codes and the stream's raw-handle attribute as class attributes.
-An emulated device (``kvplane.testing.emulated``) enters in one place, ``_emulation()``: its memory is host
-memory and its memcpy a C stand-in, everything else is this same code.
+Each backend owns its copy path. It either declares a C-callable async copy function, which the native loop
+(``vendor_copy``) calls for every descriptor of a plan, or overrides ``_execute`` with its own:
+
+- declared by class attributes: ``memcpy_library``, ``memcpy_symbol``, ``memcpy_signature`` (a calling
+  convention the native loop knows, ``vendor_copy.SIGNATURES``), ``memcpy_kinds``, ``stream_handle_attribute``;
+- or by overriding ``load_copy_function()``, which may return any ``CopyFunction``: a vendor function with a
+  known signature, or the backend package's own function with the ``plan`` signature (``vendor_copy``), which
+  is how a package brings a calling convention the core does not know, without editing the core.
+
+Emulated devices are test doubles (``kvplane.testing``): subclasses that override ``device_module``,
+``device``, ``probe`` and ``load_copy_function``; nothing here knows about them.
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ from kvplane.backend.probing import probe_device_package
 from kvplane.backend.vendor_copy import CopyFunction, copy_error, enqueue, load_copy_function
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
-from kvplane.testing.emulated import Emulation, emulation_requested, install_emulated, probe_emulated
 
 if TYPE_CHECKING:
     import torch
@@ -48,19 +54,17 @@ class AcceleratorBackend(Backend):
     # -- how a plan reaches the device: the vendor's async memcpy, called from C for every descriptor -----
     memcpy_library: ClassVar[str] = ""  # the vendor runtime the device package has already loaded
     memcpy_symbol: ClassVar[str] = ""  # its async memcpy
-    memcpy_signature: ClassVar[str] = ""  # a kvplane.backend.vendor_copy signature: cuda, acl, cnrt
+    memcpy_signature: ClassVar[str] = ""  # a calling convention of kvplane.backend.vendor_copy.SIGNATURES
     memcpy_kinds: ClassVar[Mapping[str, int]] = {}  # direction -> the vendor's kind/direction code
     stream_handle_attribute: ClassVar[str] = ""  # the raw stream handle on the device module's Stream
 
-    def __init__(self, device_index: int = 0, *, emulated: bool = False) -> None:
-        super().__init__(device_index, emulated=emulated)
+    def __init__(self, device_index: int = 0) -> None:
+        super().__init__(device_index)
         self._copy_fn: CopyFunction | None = None
         self.copy_notes: list[str] = []  # what reports should say about the copy path (fallbacks taken)
 
     @classmethod
     def probe(cls) -> Probe:
-        if emulation_requested(cls.name):
-            return probe_emulated(cls.name, cls.torch_device_type, cls.device_package)
         return probe_device_package(
             cls.device_package,
             cls.install_hint,
@@ -68,21 +72,8 @@ class AcceleratorBackend(Backend):
             visible_devices_env=cls.visible_devices_env,
         )
 
-    def _emulation(self) -> Emulation | None:
-        """The one place emulation enters: None on a real device (installed on first use when emulated)."""
-        if not self.emulated:
-            return None
-        return install_emulated(
-            self.torch_device_type,
-            device_package=self.device_package,
-            stream_attribute=self.stream_handle_attribute or None,
-        )
-
     def device_module(self) -> ModuleType:
         """``torch.<torch_device_type>``; a ``BackendError`` naming what to install when it is absent."""
-        emulation = self._emulation()
-        if emulation is not None:
-            return emulation.module
         import torch
 
         if self.device_package is not None and self.device_package not in sys.modules:
@@ -102,9 +93,6 @@ class AcceleratorBackend(Backend):
         return module
 
     def device(self) -> torch.device:
-        emulation = self._emulation()
-        if emulation is not None:
-            return emulation.memory_device  # an emulated device's memory is host memory
         self.device_module()  # torch.device("npu") parses only once the device package has registered "npu"
         return super().device()
 
@@ -162,16 +150,18 @@ class AcceleratorBackend(Backend):
         """Library names to try for ``memcpy_symbol``, in order."""
         return (self.memcpy_library,)
 
+    def load_copy_function(self) -> CopyFunction:
+        """The C function plans run through: by default the declared ``memcpy_symbol`` of the first of
+        ``memcpy_libraries()`` that loads, called with ``memcpy_signature``. Override it to hand the native loop
+        another function (a batched one, the package's own ``plan`` function)."""
+        return load_copy_function(
+            self.memcpy_libraries(), self.memcpy_symbol, self.memcpy_signature, self.install_hint
+        )
+
     def _copy_function(self) -> CopyFunction:
-        """The vendor's async memcpy (or, emulated, its stand-in), resolved once per backend instance."""
+        """``load_copy_function()``, resolved once per backend instance."""
         if self._copy_fn is None:
-            emulation = self._emulation()
-            if emulation is not None:
-                self._copy_fn = emulation.copy_function(self.memcpy_signature, self.memcpy_symbol)
-            else:
-                self._copy_fn = load_copy_function(
-                    self.memcpy_libraries(), self.memcpy_symbol, self.memcpy_signature, self.install_hint
-                )
+            self._copy_fn = self.load_copy_function()
         return self._copy_fn
 
     def copy_path(self) -> str:

@@ -31,7 +31,6 @@ class Probe:
 
     available: bool
     reason: str = ""
-    emulated: bool = False
 
 
 class Stream(Protocol):
@@ -66,10 +65,11 @@ class Backend(ABC):
     registration_merge_gap: ClassVar[int] = 0
     layouts: ClassVar[dict[str, str]]  # family -> the layout this device's engines use
     mooncake_env_defaults: ClassVar[Mapping[str, str]] = {}  # set before Mooncake's initialize, if unset
+    # A test double (kvplane.testing's emulated devices, a test suite's fakes): its name says "emulated" too
+    emulated: ClassVar[bool] = False
 
-    def __init__(self, device_index: int = 0, *, emulated: bool = False) -> None:
+    def __init__(self, device_index: int = 0) -> None:
         self.device_index = device_index
-        self.emulated = emulated
 
     # -- discovery ----------------------------------------------------------------------------------------
     @classmethod
@@ -79,8 +79,8 @@ class Backend(ABC):
 
     @property
     def label(self) -> str:
-        """How reports name this backend; an emulated device always says so."""
-        return f"{self.name} (emulated)" if self.emulated else self.name
+        """How reports name this backend: its name, which for an emulated device says "emulated"."""
+        return self.name
 
     # -- devices and memory -------------------------------------------------------------------------------
     def device(self) -> torch.device:

@@ -1,18 +1,16 @@
-"""The pluggy hooks a kvplane plugin implements. A plugin module is named by an entry point in the group
+"""The pluggy hook a backend plugin implements. A plugin module is named by an entry point in the group
 ``kvplane.backends``; the built-in cpu backend registers through the same group as every other backend."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import pluggy
+from kvplane.hookspecs import PROJECT, hookimpl, hookspec
 
 if TYPE_CHECKING:
     from kvplane.backend.base import Backend
 
-PROJECT = "kvplane"
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
+__all__ = ["PROJECT", "hookimpl", "kvplane_backend"]
 
 
 @hookspec

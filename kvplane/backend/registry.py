@@ -1,22 +1,24 @@
 """Backend discovery and selection.
 
-Backends are entry points in the group ``kvplane.backends`` (name = what ``KVPLANE_DEVICE`` says). A plugin
-module is imported only when it is selected or when all are listed (``kvplane info``, auto-selection).
-Selection: ``KVPLANE_DEVICE`` names one; without it, exactly one available accelerator wins, none means cpu.
+Backends are entry points in the group ``kvplane.backends`` (name = what ``KVPLANE_DEVICE`` says), loaded
+through the shared ``kvplane.plugins.PluginRegistry``. A plugin module is imported only when it is selected or
+when all are listed (``kvplane info``, auto-selection). Selection: ``KVPLANE_DEVICE`` names one; without it,
+exactly one available accelerator wins, none means cpu. A test double (``Backend.emulated``, added by a test
+fixture with ``add``) is used only when named.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
-
-import pluggy
+from importlib.metadata import EntryPoint
 
 from kvplane.backend import hookspecs
 from kvplane.backend.base import Backend, Probe
 from kvplane.errors import BackendError, BackendUnavailable, UnknownBackend
+from kvplane.plugins import PluginRegistry, installed_entry_points
 
 GROUP = "kvplane.backends"
 ENV_VAR = "KVPLANE_DEVICE"
@@ -29,70 +31,32 @@ class BackendStatus:
     probe: Probe
     cls: type[Backend] | None = None
 
+    @property
+    def emulated(self) -> bool:
+        return self.cls is not None and self.cls.emulated
+
     def describe(self) -> str:
         if self.probe.available:
-            return f"{self.name}: available" + (" (emulated)" if self.probe.emulated else "")
+            return f"{self.name}: available" + (" (emulated)" if self.emulated else "")
         return f"{self.name}: unavailable ({self.probe.reason})"
 
 
-def _installed_entry_points() -> list[EntryPoint]:
-    return list(entry_points(group=GROUP))
+class BackendRegistry(PluginRegistry[Backend]):
+    """Loads backend plugins on demand and selects one."""
 
-
-class BackendRegistry:
-    """Loads backend plugins on demand through one pluggy manager."""
-
-    def __init__(self, list_entry_points: Callable[[], Iterable[EntryPoint]] = _installed_entry_points) -> None:
-        self._list_entry_points = list_entry_points
-        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self._pm.add_hookspecs(hookspecs)
-        self._classes: dict[str, type[Backend]] = {}
-        self._errors: dict[str, str] = {}
-
-    def names(self) -> list[str]:
-        """Installed backend names, without importing any of them."""
-        return sorted({ep.name for ep in self._list_entry_points()})
+    def __init__(self, list_entry_points: Callable[[], Iterable[EntryPoint]] = installed_entry_points(GROUP)) -> None:
+        super().__init__(GROUP, hookspecs, "kvplane_backend", Backend, list_entry_points)
 
     def load(self, name: str) -> type[Backend] | None:
         """Import one backend plugin; None (with the reason kept for ``status``) when its module is broken."""
-        if name in self._classes:
-            return self._classes[name]
-        if name in self._errors:
-            return None
-        eps = [ep for ep in self._list_entry_points() if ep.name == name]
-        if not eps:
+        if name not in self.names():
             raise UnknownBackend(self._unknown_message(name))
-        try:
-            if len({ep.value for ep in eps}) > 1:
-                raise BackendError(
-                    f"backend name {name!r} is registered by several plugins ({', '.join(ep.value for ep in eps)}); "
-                    f"uninstall all but one"
-                )
-            module = eps[0].load()
-            if self._pm.get_plugin(name) is None:
-                self._pm.register(module, name=name)
-                try:
-                    self._pm.check_pending()
-                except pluggy.PluginValidationError:
-                    self._pm.unregister(name=name)  # a misspelled hook must not poison plugins loaded later
-                    raise
-            cls = self._pm.subset_hook_caller(
-                "kvplane_backend", remove_plugins=[p for n, p in self._pm.list_name_plugin() if n != name]
-            )()
-            if len(cls) != 1 or not (isinstance(cls[0], type) and issubclass(cls[0], Backend)):
-                raise BackendError(f"plugin {name!r} must return one Backend subclass from kvplane_backend()")
-            if cls[0].name != name:
-                raise BackendError(f"plugin {name!r} returned backend named {cls[0].name!r}; the names must match")
-        except Exception as e:  # a broken third-party plugin is reported, never fatal to listing
-            self._errors[name] = f"plugin failed to load: {type(e).__name__}: {e}"
-            return None
-        self._classes[name] = cls[0]
-        return cls[0]
+        return super().load(name)
 
     def status(self, name: str) -> BackendStatus:
         cls = self.load(name)
         if cls is None:
-            return BackendStatus(name, Probe(False, self._errors[name]))
+            return BackendStatus(name, Probe(False, self.error(name)))
         try:
             probe = cls.probe()
         except Exception as e:  # probe() must not raise; if it does, the backend declines with the reason
@@ -118,7 +82,9 @@ class BackendRegistry:
                 )
             return st
         statuses = self.survey()
-        accelerators = [s for s in statuses if s.probe.available and s.cls is not None and s.cls.is_accelerator]
+        accelerators = [
+            s for s in statuses if s.probe.available and s.cls is not None and s.cls.is_accelerator and not s.emulated
+        ]
         if len(accelerators) == 1:
             return accelerators[0]
         if len(accelerators) > 1:
@@ -133,7 +99,7 @@ class BackendRegistry:
         st = self.select(requested)
         if st.cls is None:  # select() only returns loaded backends
             raise BackendError(f"backend {st.name!r} did not load")
-        return st.cls(device_index, emulated=st.probe.emulated)
+        return st.cls(device_index)
 
     def _listing(self) -> str:
         return "Installed backends: " + "; ".join(s.describe() for s in self.survey())
@@ -145,14 +111,10 @@ class BackendRegistry:
         )
 
 
-_default: BackendRegistry | None = None
-
-
+@functools.cache
 def default_registry() -> BackendRegistry:
-    global _default
-    if _default is None:
-        _default = BackendRegistry()
-    return _default
+    """This process's registry: the installed entry points, plus what test fixtures ``add``."""
+    return BackendRegistry()
 
 
 def get_backend(requested: str | None = None, device_index: int = 0) -> Backend:

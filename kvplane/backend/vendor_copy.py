@@ -14,6 +14,12 @@ Signatures (checked against the vendors' documentation, see docs/backends.md):
 - ``cnrt``: ``cnrtRet_t cnrtMemcpyAsync_V2(void *dst, void *src, size_t n, cnrtQueue_t q, cnrtMemTransDir_t dir)``
 - ``cuda_batch12`` / ``cuda_batch13``: ``cudaMemcpyBatchAsync`` of CUDA 12.8-12.9 (with ``failIdx``) / 13.x
   (without); one call for the whole plan.
+- ``plan``: ``int64_t fn(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n, int kind,
+  void *stream, int *code)``, a backend package's own loop over the descriptors: -1 when all were enqueued, else
+  the index of the first that failed (``n`` when it names none) with the vendor's code in ``*code``. A vendor
+  whose calling convention is none of the above (Intel's SYCL queue memcpy, a future NPU's) is reached this
+  way: the backend package ships the function (C, or a ``ctypes`` callback) and returns it from
+  ``AcceleratorBackend.load_copy_function``; this list does not grow for it (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from types import ModuleType
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
 
-SIGNATURES = ("cuda", "acl", "cnrt", "cuda_batch12", "cuda_batch13")
+SIGNATURES = ("cuda", "acl", "cnrt", "cuda_batch12", "cuda_batch13", "plan")
 BATCHED = frozenset({"cuda_batch12", "cuda_batch13"})
 
 _native: ModuleType | None

@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-import numpy.typing as npt
 
+from kvplane.descriptors import Int64Array as Ids  # the one definition of an int64 id array
 from kvplane.errors import BlockError
 
-Ids = npt.NDArray[np.int64]
-PerGroup = Sequence[int] | npt.NDArray[np.int64] | Mapping[int, Sequence[int] | npt.NDArray[np.int64]]
+__all__ = ["Ids", "PerGroup", "per_group"]
+
+PerGroup = Sequence[int] | Ids | Mapping[int, Sequence[int] | Ids]
 
 
 def per_group(

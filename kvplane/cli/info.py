@@ -50,7 +50,7 @@ def collect() -> dict[str, Any]:
     registry = default_registry()
     backends = []
     for st in registry.survey():
-        entry: dict[str, Any] = {"name": st.name, "available": st.probe.available, "emulated": st.probe.emulated}
+        entry: dict[str, Any] = {"name": st.name, "available": st.probe.available, "emulated": st.emulated}
         entry["reason"] = st.probe.reason
         if st.cls is not None:
             entry["torch_device_type"] = st.cls.torch_device_type

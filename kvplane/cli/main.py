@@ -47,10 +47,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    try:
+        from rich.console import Console
 
+        from kvplane.bench import runner
+    except ImportError as e:  # rich and matplotlib are the bench extra's, not runtime dependencies
+        raise KvplaneError(f"kvplane bench needs its extra ({e}); pip install 'kvplane[bench]'") from e
     from kvplane.backend.registry import get_backend
-    from kvplane.bench import runner, scenarios
+    from kvplane.bench import scenarios
 
     if args.list:
         for s in scenarios.load_all().values():

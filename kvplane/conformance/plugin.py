@@ -1,14 +1,15 @@
 """The conformance suite's pytest plugin: its options, the device under test, the fixtures and the report.
 
-pytest loads it through the ``pytest11`` entry point, so ``pytest --pyargs kvplane.conformance`` works from any
-directory. In other test sessions it is inert: it only acts on tests that use the ``kvplane_backend`` fixture.
+It is loaded only when asked for: ``pytest -p kvplane.conformance --pyargs kvplane.conformance`` (the
+``conformance`` extra brings pytest), or ``kvplane conformance``, which runs that command. It declares no
+``pytest11`` entry point, so other pytest sessions in an environment with kvplane installed never load it.
 
 - ``--kvplane-device NAME``: the backend to certify (default ``$KVPLANE_DEVICE``, else auto-selection);
 - ``--kvplane-report PATH``: write the report (``kvplane.conformance.report``) as JSON;
 - ``--kvplane-bandwidth-mib N``: bytes per bandwidth measurement.
 
-Every conformance test is parametrized with the device under test, so its id names it, and an emulated
-device's ids say so: ``test_plan_bytes[npu-emulated-split_kv-d2h]``.
+Every conformance test is parametrized with the device under test, so its id names it; an emulated backend's
+name says so: ``test_plan_bytes[npu-emulated-split_kv-d2h]``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class DeviceUnderTest:
 
     @property
     def test_id(self) -> str:
-        return f"{self.name}-emulated" if self.emulated else self.name
+        return self.name  # an emulated backend's name says "emulated"
 
 
 REPORT = pytest.StashKey[ConformanceReport]()
@@ -70,9 +71,8 @@ def device_under_test(config: pytest.Config) -> DeviceUnderTest:
         status = default_registry().select(config.getoption("kvplane_device"))
     except KvplaneError as e:
         raise pytest.UsageError(f"kvplane conformance: {e}") from e
-    emulated = status.probe.emulated
-    device = DeviceUnderTest(status.name, f"{status.name} (emulated)" if emulated else status.name, emulated,
-                             status.probe.reason)
+    emulated = status.emulated
+    device = DeviceUnderTest(status.name, status.name, emulated, status.probe.reason)
     config.stash[DEVICE] = device
     report = config.stash[REPORT]
     report.backend, report.label, report.emulated, report.probe_reason = (

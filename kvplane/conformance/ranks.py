@@ -1,7 +1,8 @@
 """The rank processes of the collectives check (spawned; a module of its own so spawn can import it by name).
 
-Each rank selects the backend under test as any kvplane process does (the registry, ``$KVPLANE_EMULATE``
-inherited), joins a two-rank group, all-gathers its manifest and agrees on finished requests.
+Each rank selects the backend under test as any kvplane process does (the registry, plus the plugins the
+parent's registry had added, such as emulated backends), joins a two-rank group, all-gathers its manifest and
+agrees on finished requests.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ WORLD = 2
 
 
 def rank_main(
-    rank: int, backend_name: str, collective: str, port: int, device_per_rank: bool,
+    rank: int, backend_name: str, added: list[tuple[str, str]], collective: str, port: int, device_per_rank: bool,
     results: MutableMapping[int, Any],
 ) -> None:
+    from importlib.metadata import EntryPoint
+
     import torch.distributed as dist
 
     from kvplane.backend.registry import default_registry
@@ -24,7 +27,10 @@ def rank_main(
     from kvplane.kv.manifest import Manifest
     from kvplane.kv.spec import KVSpec
 
-    backend = default_registry().create(backend_name, device_index=rank if device_per_rank else 0)
+    registry = default_registry()
+    for name, value in added:
+        registry.add(EntryPoint(name, value, registry.group))
+    backend = registry.create(backend_name, device_index=rank if device_per_rank else 0)
     set_current_device = getattr(backend, "set_current_device", None)
     if device_per_rank and callable(set_current_device):
         set_current_device()  # NCCL/HCCL/CNCL bind a rank to the calling thread's current device

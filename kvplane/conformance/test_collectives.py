@@ -26,11 +26,15 @@ def _free_port() -> int:
 def _run_ranks(backend: Backend, collective: str, device_per_rank: bool) -> dict[int, object]:
     import torch.multiprocessing as mp
 
+    from kvplane.backend.registry import default_registry
+
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         port = _free_port()
-        procs = [ctx.Process(target=rank_main, args=(r, backend.name, collective, port, device_per_rank, results))
+        added = [(ep.name, ep.value) for ep in default_registry().added()]
+        procs = [ctx.Process(target=rank_main,
+                             args=(r, backend.name, added, collective, port, device_per_rank, results))
                  for r in range(WORLD)]
         for p in procs:
             p.start()

@@ -1,47 +1,24 @@
-"""Emulated npu/mlu devices for CI: the real backend code over CPU memory, always labelled "(emulated)".
+"""Emulated device types for CI: a stand-in ``torch.<device>`` over CPU memory, installed and removed on demand.
 
 An emulation puts a stand-in device package (``torch_npu``, ``torch_mlu``) into ``sys.modules`` and a stand-in
-``torch.<device>`` module (``kvplane.testing.emulated_device``) on torch, and hands the backend a memcpy-backed
-C function with the vendor's async-memcpy signature instead of the vendor library. The backend's own
-``_execute`` path and the C descriptor loop run unchanged; only the memory is host memory.
-
-Activation: ``KVPLANE_EMULATE=npu`` (comma-separated backend names) makes that backend's probe answer
-``Probe(True, "EMULATED ...", emulated=True)``, and ``Backend.label`` then says "(emulated)". Tests can also
-use ``with emulated("npu", device_package="torch_npu"): ...``. Emulation never shadows a real device stack: it
+``torch.<device>`` module (``kvplane.testing.emulated_device``) on torch. The emulated backends
+(``kvplane.testing.backends``) install one on first use; tests can also use
+``with emulated("npu", device_package="torch_npu"): ...``. Emulation never shadows a real device stack: it
 declines where the device package is installed or torch already has the device module.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
 
-from kvplane.backend.base import Probe
 from kvplane.errors import BackendError
 
-if TYPE_CHECKING:
-    import torch
-
-    from kvplane.backend.vendor_copy import CopyFunction
-
-EMULATE_ENV = "KVPLANE_EMULATE"
 DEFAULT_DEVICE_COUNT = 2  # two, so code that picks a device by rank runs
-
-
-def requested_emulations() -> frozenset[str]:
-    """Backend names listed in ``$KVPLANE_EMULATE`` (comma- or space-separated)."""
-    raw = os.environ.get(EMULATE_ENV, "")
-    return frozenset(part.strip().lower() for part in raw.replace(",", " ").split() if part.strip())
-
-
-def emulation_requested(name: str) -> bool:
-    return name.lower() in requested_emulations()
 
 
 @dataclass
@@ -53,19 +30,6 @@ class Emulation:
     stream_attribute: str
     module: ModuleType
     package: ModuleType | None
-
-    @property
-    def memory_device(self) -> torch.device:
-        """Where an emulated device's memory lives: host memory, so "device tensors" are CPU tensors."""
-        import torch
-
-        return torch.device("cpu")
-
-    def copy_function(self, signature: str, symbol: str) -> CopyFunction:
-        """The memcpy-backed stand-in for the vendor's ``symbol``, with its ``signature``."""
-        from kvplane.backend.vendor_copy import emulated_copy_function
-
-        return emulated_copy_function(signature, symbol)
 
 
 _installed: dict[str, Emulation] = {}
@@ -84,9 +48,9 @@ def why_not_emulable(device_type: str, device_package: str | None) -> str | None
     if device_package is not None:
         present = sys.modules.get(device_package)
         if present is not None and not is_emulated(present):
-            return f"the real {device_package} is imported in this process; unset {EMULATE_ENV} to use it"
+            return f"the real {device_package} is imported in this process; select the real backend to use it"
         if present is None and importlib.util.find_spec(device_package) is not None:
-            return f"the real {device_package} is installed here; unset {EMULATE_ENV} to use the hardware"
+            return f"the real {device_package} is installed here; select the real backend to use the hardware"
     module = getattr(torch, device_type, None)
     if module is not None and not is_emulated(module):
         return (
@@ -94,23 +58,6 @@ def why_not_emulable(device_type: str, device_package: str | None) -> str | None
             f"package that is not installed"
         )
     return None
-
-
-def probe_emulated(name: str, device_type: str, device_package: str | None) -> Probe:
-    """What a backend's ``probe`` answers when ``$KVPLANE_EMULATE`` names it. Never raises."""
-    setting = f"{EMULATE_ENV}={os.environ.get(EMULATE_ENV, '')}"
-    try:
-        reason = why_not_emulable(device_type, device_package)
-    except Exception as e:  # noqa: BLE001 - probe() must not raise
-        return Probe(False, f"{setting}: checking for a real {device_type} stack raised {type(e).__name__}: {e}")
-    if reason is not None:
-        return Probe(False, f"{setting}: cannot emulate {name}: {reason}")
-    return Probe(
-        True,
-        f"EMULATED ({setting}): CPU memory behind a stand-in torch.{device_type}; exercises kvplane's {name} "
-        f"code, uses no {name} hardware and claims no support for it",
-        emulated=True,
-    )
 
 
 def install_emulated(

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import pluggy
+from kvplane.hookspecs import PROJECT, hookimpl, hookspec
 
 if TYPE_CHECKING:
     from kvplane.transports.base import Transport
 
-PROJECT = "kvplane"
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
+__all__ = ["PROJECT", "hookimpl", "kvplane_transport"]
 
 
 @hookspec

@@ -15,6 +15,7 @@ beyond U+00FF).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -151,7 +152,9 @@ class MooncakeTransport(Transport):
             raise PlanError(f"mooncake carries notify={notify!r} on a transfer, and the plan is empty; "
                             f"send the notify with the last non-empty plan")
         chunks = chunk_bounds(len(plan), batch_size(self.config, self.engine_limit))
-        transfer = MooncakeTransfer(self, peer, op, plan, chunks, notify, Deadline.after(self.config.timeout_s))
+        move = functools.partial(self.move, peer, op)
+        transfer = MooncakeTransfer(move, self.config, peer, op, plan, chunks, notify,
+                                    Deadline.after(self.config.timeout_s))
         with self._lock:
             self._check_open("submit")  # close() may have run since the check above
             self._transfers = [t for t in self._transfers if not t.finished] + [transfer]

@@ -1,27 +1,30 @@
 """One plan in flight through Mooncake: a worker thread walks its chunks, retrying each with back-off.
 
-``MooncakeTransport.submit`` creates and starts it; callers only see ``poll``/``wait``. The thread exists
-because Mooncake's binding offers no non-blocking status for a batch; it blocks in C++ with the GIL released.
+``MooncakeTransport.submit`` creates and starts it, handing it what it needs: the transport's config (retries,
+back-off) and ``move``, one engine batch to the peer; the transfer knows nothing else of the transport. Callers
+only see ``poll``/``wait``. The thread exists because Mooncake's binding offers no non-blocking status for a
+batch; it blocks in C++ with the GIL released.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransferFailed, TransferTimeout, TransportError
-from kvplane.transports.base import Op, Transfer
+from kvplane.transports.base import Op, Transfer, TransportConfig
 from kvplane.transports.batching import Deadline, backoff_s, local_remote
 
-if TYPE_CHECKING:
-    from kvplane.transports.mooncake import MooncakeTransport
+# one engine batch to the peer: (local, remote, lengths, notify) -> 0 when every descriptor landed
+MoveBatch = Callable[[list[int], list[int], list[int], "bytes | None"], int]
 
 
 class MooncakeTransfer(Transfer):
     def __init__(
         self,
-        transport: MooncakeTransport,
+        move: MoveBatch,
+        config: TransportConfig,
         peer: str,
         op: Op,
         plan: CopyPlan,
@@ -29,7 +32,7 @@ class MooncakeTransfer(Transfer):
         notify: bytes | None,
         deadline: Deadline,
     ) -> None:
-        self._transport, self._peer, self._op = transport, peer, op
+        self._move, self._config, self._peer, self._op = move, config, peer, op
         self._local, self._remote = local_remote(op, plan)
         self._length = plan.length
         self._chunks, self._notify, self._deadline = chunks, notify, deadline
@@ -92,12 +95,12 @@ class MooncakeTransfer(Transfer):
         local = self._local[start:stop].tolist()
         remote = self._remote[start:stop].tolist()
         lengths = self._length[start:stop].tolist()
-        config = self._transport.config
+        config = self._config
         rc = 0
         for attempt in range(config.retries + 1):
             if self._cancelled.is_set() or self._deadline.expired():
                 raise TransferTimeout(self._where(start, stop, f"deadline passed before attempt {attempt + 1}"))
-            rc = self._transport.move(self._peer, self._op, local, remote, lengths, notify)
+            rc = self._move(local, remote, lengths, notify)
             if rc == 0:
                 return
             if attempt < config.retries:

@@ -1,4 +1,4 @@
-"""Transport discovery: entry points in the group ``kvplane.transports``, loaded through one pluggy manager.
+"""Transport discovery: entry points in the group ``kvplane.transports``, loaded by the shared ``kvplane.plugins``.
 
 Flows and ``kvplane info`` call ``get_transport_class(name)`` and ``available_transports()``. A plugin is
 imported only when it is asked for or listed, and an engine package only when its transport is probed or
@@ -7,12 +7,12 @@ built. A broken plugin is reported with its reason, never fatal to listing the o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint
 
-import pluggy
-
-from kvplane.errors import TransportError, TransportUnavailable
+from kvplane.errors import TransportUnavailable
+from kvplane.plugins import PluginRegistry, installed_entry_points
 from kvplane.transports import hookspecs
 from kvplane.transports.base import Transport
 
@@ -26,89 +26,47 @@ BUILTINS = (
 
 
 def _installed_entry_points() -> list[EntryPoint]:
-    installed = list(entry_points(group=GROUP))
+    installed = installed_entry_points(GROUP)()
     names = {ep.name for ep in installed}
     return installed + [ep for ep in BUILTINS if ep.name not in names]
 
 
-class TransportRegistry:
-    def __init__(self, list_entry_points: Callable[[], Iterable[EntryPoint]] = _installed_entry_points) -> None:
-        self._list_entry_points = list_entry_points
-        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self._pm.add_hookspecs(hookspecs)
-        self._classes: dict[str, type[Transport]] = {}
-        self._errors: dict[str, str] = {}
+class TransportRegistry(PluginRegistry[Transport]):
+    """Loads transport plugins on demand (the shared ``PluginRegistry``), and says which can run here."""
 
-    def names(self) -> list[str]:
-        """Installed transport names, without importing any of them."""
-        return sorted({ep.name for ep in self._list_entry_points()})
+    def __init__(self, list_entry_points: Callable[[], Iterable[EntryPoint]] = _installed_entry_points) -> None:
+        super().__init__(GROUP, hookspecs, "kvplane_transport", Transport, list_entry_points)
 
     def get(self, name: str) -> type[Transport]:
         """The transport class registered as ``name``; ``TransportUnavailable`` when unknown or broken."""
-        if name in self._classes:
-            return self._classes[name]
-        if name not in self._errors:
-            try:
-                self._classes[name] = self._load(name)
-                return self._classes[name]
-            except TransportUnavailable:
-                raise
-            except Exception as e:  # a broken third-party plugin: remember why, report it by name
-                self._errors[name] = f"plugin failed to load: {type(e).__name__}: {e}"
-        raise TransportUnavailable(f"transport {name!r}: {self._errors[name]}")
+        if name not in self.names():
+            installed = ", ".join(self.names()) or "none"
+            raise TransportUnavailable(
+                f"transport={name!r} matches no installed transport (installed: {installed}); install the "
+                f"package that provides it, or add it to [project.entry-points.{GROUP!r}]"
+            )
+        cls = self.load(name)
+        if cls is None:
+            raise TransportUnavailable(f"transport {name!r}: {self.error(name)}")
+        return cls
 
     def available(self) -> dict[str, tuple[bool, str]]:
         """Every installed transport: ``name -> (usable here, why or why not)``."""
         out: dict[str, tuple[bool, str]] = {}
         for name in self.names():
             try:
-                cls = self.get(name)
-                out[name] = cls.available()
+                out[name] = self.get(name).available()
             except TransportUnavailable as e:
                 out[name] = (False, str(e))
             except Exception as e:  # available() must not raise; if it does, the transport declines
                 out[name] = (False, f"available() raised {type(e).__name__}: {e}")
         return out
 
-    def _load(self, name: str) -> type[Transport]:
-        eps = [ep for ep in self._list_entry_points() if ep.name == name]
-        if not eps:
-            installed = ", ".join(self.names()) or "none"
-            raise TransportUnavailable(
-                f"transport={name!r} matches no installed transport (installed: {installed}); install the "
-                f"package that provides it, or add it to [project.entry-points.{GROUP!r}]"
-            )
-        if len({ep.value for ep in eps}) > 1:
-            raise TransportError(
-                f"transport name {name!r} is registered by several plugins ({', '.join(ep.value for ep in eps)}); "
-                f"uninstall all but one"
-            )
-        plugin = eps[0].load()
-        if self._pm.get_plugin(name) is None:
-            self._pm.register(plugin, name=name)
-            try:
-                self._pm.check_pending()
-            except pluggy.PluginValidationError:
-                self._pm.unregister(name=name)  # a misspelled hook must not poison plugins loaded later
-                raise
-        others = [p for n, p in self._pm.list_name_plugin() if n != name]
-        found = self._pm.subset_hook_caller("kvplane_transport", remove_plugins=others)()
-        if len(found) != 1 or not (isinstance(found[0], type) and issubclass(found[0], Transport)):
-            raise TransportError(f"plugin {name!r} must return one Transport subclass from kvplane_transport()")
-        cls: type[Transport] = found[0]
-        if cls.name != name:
-            raise TransportError(f"plugin {name!r} returned transport named {cls.name!r}; the names must match")
-        return cls
 
-
-_default: TransportRegistry | None = None
-
-
+@functools.cache
 def default_registry() -> TransportRegistry:
-    global _default
-    if _default is None:
-        _default = TransportRegistry()
-    return _default
+    """This process's registry: the installed entry points, plus what test fixtures ``add``."""
+    return TransportRegistry()
 
 
 def get_transport_class(name: str) -> type[Transport]:

@@ -1,7 +1,8 @@
 """The conformance suite as a vendor runs it, on cpu, emulated npu and emulated mlu: it passes everywhere here.
 
 Each run is a real subprocess started from a scratch directory (not the repository), the first two through
-``pytest --pyargs kvplane.conformance``, the third through ``kvplane conformance``; they run side by side.
+``pytest -p kvplane.conformance --pyargs kvplane.conformance`` (the emulated npu added by
+``-p kvplane.testing.pytest_plugin``), the third through ``kvplane conformance --emulate``; they run side by side.
 Skips are allowed only with the reasons that make them honest: no pinning where device memory is host memory,
 no vendor memcpy on the cpu backend, and no hccl/cncl on an emulated device.
 """
@@ -24,21 +25,23 @@ ALLOWED_SKIPS = {
     "test_host_memory_is_pinned_for_dma": "device memory is host memory here, so there is nothing to pin",
     "test_an_accelerator_names_its_visible_devices_variable_and_its_copy_function": "is not an accelerator",
     "test_two_processes_gather_manifests_and_agree_on_finished_requests": "itself is untested",
+    "test_the_collective_is_one_torch_distributed_reports": "needs the hardware; test_collectives says what ran",
 }
 
 
-def pytest_suite(device: str, report: Path, env: dict[str, str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "--pyargs", "kvplane.conformance", f"--kvplane-device={device}",
+def pytest_suite(device: str, report: Path, *plugins: str) -> list[str]:
+    loads = [arg for plugin in ("kvplane.conformance", *plugins) for arg in ("-p", plugin)]
+    return [sys.executable, "-m", "pytest", *loads, "--pyargs", "kvplane.conformance", f"--kvplane-device={device}",
             f"--kvplane-report={report}", f"--kvplane-bandwidth-mib={BANDWIDTH_MIB}", "-p", "no:cacheprovider", "-q"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[int, str, ConformanceReport]]]:
     scratch = tmp_path_factory.mktemp("conformance")
-    base = {k: v for k, v in os.environ.items() if k not in ("KVPLANE_DEVICE", "KVPLANE_EMULATE")}
+    base = {k: v for k, v in os.environ.items() if k != "KVPLANE_DEVICE"}
     commands = {
-        "cpu": (pytest_suite("cpu", scratch / "cpu.json", base), base),
-        "npu": (pytest_suite("npu", scratch / "npu.json", base), {**base, "KVPLANE_EMULATE": "npu"}),
+        "cpu": (pytest_suite("cpu", scratch / "cpu.json"), base),
+        "npu": (pytest_suite("npu-emulated", scratch / "npu.json", "kvplane.testing.pytest_plugin"), base),
         "mlu": ([sys.executable, "-m", "kvplane.cli.main", "conformance", "--device", "mlu", "--emulate",
                  "--json", str(scratch / "mlu.json"), "--bandwidth-mib", BANDWIDTH_MIB], base),
     }
@@ -54,7 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[i
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("device", "label"), [("cpu", "cpu"), ("npu", "npu (emulated)"), ("mlu", "mlu (emulated)")])
+@pytest.mark.parametrize(("device", "label"), [("cpu", "cpu"), ("npu", "npu-emulated"), ("mlu", "mlu-emulated")])
 def test_the_suite_passes_and_every_skip_has_an_honest_reason(
     runs: dict[str, tuple[int, str, ConformanceReport]], device: str, label: str
 ) -> None:
@@ -99,11 +102,11 @@ def test_the_command_prints_the_report_with_the_label_checks_and_bandwidth(
     runs: dict[str, tuple[int, str, ConformanceReport]],
 ) -> None:
     _, stdout, report = runs["mlu"]
-    assert stdout.startswith("kvplane conformance: backend mlu (emulated)")
+    assert stdout.startswith("kvplane conformance: backend mlu-emulated")
     assert "PASSED  test_plan_moves_exactly_the_planned_blocks[mlu-emulated-mla_split-d2h]" in stdout
     assert "bandwidth (reported, not asserted)" in stdout
     n = report.counts()
-    assert f"result: {n['passed']} passed, 0 failed, {n['skipped']} skipped on mlu (emulated)" in stdout
+    assert f"result: {n['passed']} passed, 0 failed, {n['skipped']} skipped on mlu-emulated" in stdout
 
 
 @pytest.mark.integration
@@ -112,8 +115,7 @@ def test_the_command_prints_the_report_with_the_label_checks_and_bandwidth(
     [("tpu", "matches no installed backend"), ("npu", "torch_npu is not installed; pip install torch-npu")],
 )
 def test_a_backend_that_cannot_run_is_an_error_saying_why(tmp_path: Path, device: str, says: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "KVPLANE_EMULATE"}
     proc = subprocess.run([sys.executable, "-m", "kvplane.cli.main", "conformance", "--device", device],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "the conformance suite did not run" in proc.stderr and says in proc.stderr

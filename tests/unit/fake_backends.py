@@ -20,11 +20,10 @@ class FakeBackend(Backend):
     layouts: ClassVar[dict[str, str]] = {"gqa": "packed_kv"}
     available: ClassVar[bool] = True
     reason: ClassVar[str] = "fake device present"
-    emulated_probe: ClassVar[bool] = False
 
     @classmethod
     def probe(cls) -> Probe:
-        return Probe(cls.available, cls.reason, cls.emulated_probe)
+        return Probe(cls.available, cls.reason)
 
     def new_stream(self) -> Any:
         raise NotImplementedError
@@ -57,8 +56,8 @@ class FakeNpuMissing(FakeBackend):
 
 
 class FakeNpuEmulated(FakeBackend):
-    name = "npu"
-    emulated_probe = True
+    name = "npu-emulated"
+    emulated = True
     reason = "emulated npu (CPU memory behind torch.npu)"
 
 

@@ -64,6 +64,7 @@ class FakeStoreClient:
 
     objects: dict[str, bytes] = field(default_factory=dict)
     healthy: bool = True
+    health_threads: set[int] = field(default_factory=set)  # the threads health_check was called on
     setup_rc: int = 0
     hang: threading.Event | None = None  # while set to an unset Event, the calls in ``hang_on`` block on it
     hang_on: tuple[str, ...] = ("exist", "put", "get")
@@ -83,6 +84,7 @@ class FakeStoreClient:
         return self.setup_rc
 
     def health_check(self) -> int:
+        self.health_threads.add(threading.get_ident())
         return 0 if self.healthy else 2
 
     def register_buffer(self, ptr: int, size: int) -> int:

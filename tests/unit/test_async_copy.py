@@ -26,7 +26,7 @@ from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
 
 I64 = np.int64
-KINDS = {"cuda": 4, "acl": 2, "cnrt": 2, "cuda_batch12": 0, "cuda_batch13": 0}
+KINDS = {"cuda": 4, "acl": 2, "cnrt": 2, "cuda_batch12": 0, "cuda_batch13": 0, "plan": 2}
 
 
 def plan_of(src: np.ndarray, dst: np.ndarray, descs: list[tuple[int, int, int]]) -> CopyPlan:
@@ -61,7 +61,7 @@ def test_every_vendor_signature_copies_scattered_descriptors_byte_exactly(src: n
     np.testing.assert_array_equal(dst, want)
 
 
-@pytest.mark.parametrize("signature", ["cuda", "acl", "cnrt"])
+@pytest.mark.parametrize("signature", ["cuda", "acl", "cnrt", "plan"])
 def test_the_loop_stops_at_the_first_failing_descriptor_and_names_it(src: np.ndarray, signature: str) -> None:
     dst = np.zeros(4096, np.uint8)
     plan = plan_of(src, dst, [(0, 0, 100), (200, 200, 100), (400, 400, 100)])
@@ -156,3 +156,31 @@ def test_a_ctypes_stand_in_sees_the_arguments_in_vendor_order(src: np.ndarray) -
     assert address is not None
     assert enqueue(CopyFunction(address, "cnrt", "cnrtMemcpyAsync_V2", "test"), plan, 2, 0xABC0) is None
     assert seen == [(int(plan.dst[0]), int(plan.src[0]), 16, 0xABC0, 2)]
+
+
+PLAN = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.POINTER(ctypes.c_int64)] * 3, ctypes.c_int64, ctypes.c_int,
+                        ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+
+
+def test_a_backend_package_brings_its_own_convention_as_a_plan_function(src: np.ndarray) -> None:
+    seen: list[tuple[int, int, int]] = []
+
+    @PLAN
+    def own_loop(s: ctypes.Array, d: ctypes.Array, n: ctypes.Array, count: int, kind: int, stream: int,
+                 code: ctypes.Array) -> int:
+        seen.append((count, kind, stream))
+        for i in range(count):
+            if i == 2:
+                code[0] = 700  # the vendor's own error code comes back as it is
+                return i
+            ctypes.memmove(d[i], s[i], n[i])
+        return -1
+
+    dst = np.zeros(4096, np.uint8)
+    address = ctypes.cast(own_loop, ctypes.c_void_p).value
+    assert address is not None
+    function = CopyFunction(address, "plan", "own_loop", "a backend package")
+    plan = plan_of(src, dst, [(0, 0, 100), (200, 200, 100), (400, 400, 100)])
+    assert enqueue(function, plan, 5, 0x77) == CopyFailure(index=2, code=700)
+    assert seen == [(3, 5, 0x77)]  # one call for the whole plan, with the kind and the stream handle
+    np.testing.assert_array_equal(dst[:300], expected(src, dst, [(0, 0, 100), (200, 200, 100)])[:300])

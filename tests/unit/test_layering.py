@@ -1,12 +1,14 @@
-"""The layers of DESIGN.md, checked on the source: imports point down only.
+"""The layers of DESIGN.md, checked on the source: imports point down only, and no product code imports tests.
 
 Walks every module's imports (top level and inside functions) with ``ast``, so a lazy import that reaches up a
-layer is caught too.
+layer is caught too. Product code is ``kvplane/`` outside ``kvplane/testing`` and the backend packages
+(``backends/*/kvplane_*``); the test suites and the test doubles of ``kvplane.testing`` may import it.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,32 @@ def imported_modules(path: Path) -> set[str]:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
+
+
+TEST_SUPPORT = "kvplane.testing"
+# the whole source tree that ships as product code: kvplane/ (the conformance suite included) and backends
+PRODUCT = [p for p in [*PACKAGE.rglob("*.py"), *ROOT.glob("backends/*/kvplane_*/**/*.py")]
+           if not p.is_relative_to(PACKAGE / "testing")]
+# An emulation variable read by the library is a test-mode flag (STYLE.md): none may be named anywhere in it
+EMULATION_VARIABLE = re.compile(r"KVPLANE_EMULATE|\bEMULATE_ENV\b")
+
+
+def test_product_code_never_imports_kvplane_testing() -> None:
+    bad = [f"{path.relative_to(ROOT)} imports {module}" for path in sorted(PRODUCT)
+           for module in imported_modules(path) if module == TEST_SUPPORT or module.startswith(TEST_SUPPORT + ".")]
+    assert not bad, "product code importing test doubles:\n" + "\n".join(bad)
+
+
+def test_product_code_reads_no_emulation_variable() -> None:
+    bad = [str(path.relative_to(ROOT)) for path in sorted(PRODUCT) if EMULATION_VARIABLE.search(path.read_text())]
+    assert not bad, f"product code naming an emulation variable: {bad}"
+
+
+def test_the_walk_sees_the_backend_packages_and_the_cli() -> None:
+    names = {p.relative_to(ROOT).as_posix() for p in PRODUCT}
+    assert {"backends/cuda/kvplane_cuda/backend.py", "kvplane/backend/accelerator.py", "kvplane/cli/conformance.py",
+            "kvplane/conformance/plugin.py"} <= names
+    assert not any(n.startswith("kvplane/testing/") for n in names)
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

@@ -60,6 +60,7 @@ def test_an_unhealthy_client_is_not_called_and_the_host_tier_carries_on(caplog: 
     client = FakeStoreClient()
     h, a = stored_prefix(client)
     client.healthy = False
+    assert h.engine.store is not None and not h.engine.store.tier.refresh_health()  # what the monitor does
     calls = len(client.calls)
     with caplog.at_level(logging.WARNING, logger="kvplane.offload.store"):
         assert h.engine.lookup(block_hashes(range(100, 104), 2)) == 0
@@ -68,6 +69,46 @@ def test_an_unhealthy_client_is_not_called_and_the_host_tier_carries_on(caplog: 
     assert len(client.calls) == calls
     assert caplog.text.count("unavailable") == 1  # one warning per outage, not one per call
     assert h.load("l", a, [5, 6]) == 4
+
+
+def test_a_lookup_reads_the_monitored_health_and_never_asks_the_client_itself() -> None:
+    # the connector's lookup server runs lookups under the worker lock that save_kv_layer needs
+    client = FakeStoreClient()
+    h, a = stored_prefix(client)
+    tier = h.engine.store.tier if h.engine.store is not None else None
+    assert tier is not None and tier.healthy
+    longer = block_hashes(range(8), 2)  # a's two blocks in host memory, then two the store is asked about
+    calls = len(client.calls)
+    for _ in range(3):
+        assert h.engine.lookup(longer) == 4
+    assert len(client.calls) > calls  # the store was asked about the rest of the prefix
+    assert threading.get_ident() not in client.health_threads  # only the monitor thread calls health_check
+    client.healthy = False
+    assert tier.healthy  # nothing asked yet: the value is the last one seen
+    assert not tier.refresh_health() and not tier.healthy
+    assert h.engine.lookup(block_hashes(range(100, 104), 2)) == 0
+
+
+def test_a_health_check_that_hangs_does_not_hold_up_a_lookup() -> None:
+    stuck, entered = threading.Event(), threading.Event()
+
+    class StuckHealth(FakeStoreClient):
+        def health_check(self) -> int:
+            entered.set()
+            stuck.wait(20)  # a degraded client: its health RPC does not come back until the test lets it
+            return super().health_check()
+
+    client = StuckHealth()
+    try:
+        h, _ = stored_prefix(client)
+        assert entered.wait(20)  # a health check is stuck inside the client now
+        answers: list[int] = []
+        lookup = threading.Thread(target=lambda: answers.append(h.engine.lookup(block_hashes(range(8), 2))))
+        lookup.start()
+        lookup.join(10)  # liveness, not speed: a lookup that waited on the stuck call would still be waiting
+        assert not lookup.is_alive() and answers == [4]
+    finally:
+        stuck.set()
 
 
 def test_a_hanging_lookup_costs_at_most_the_bound(caplog: pytest.LogCaptureFixture) -> None:
@@ -124,10 +165,13 @@ def test_a_hanging_put_keeps_its_blocks_from_eviction_until_it_returns() -> None
 
 def test_the_store_is_used_again_once_healthy_after_the_retry_interval(caplog: pytest.LogCaptureFixture) -> None:
     client = FakeStoreClient()
-    h = Harness(small_spec(), host_blocks=2, store_tier=fake_tier(client, retry_after_s=0.05))
+    tier = fake_tier(client, retry_after_s=0.05)
+    h = Harness(small_spec(), host_blocks=2, store_tier=tier)
     client.healthy = False
+    tier.refresh_health()
     assert h.engine.lookup(block_hashes(range(4), 2)) == 0
     client.healthy = True
+    tier.refresh_health()
     time.sleep(0.1)
     with caplog.at_level(logging.WARNING, logger="kvplane.offload.store"):
         h.store("a", block_hashes(range(4), 2), [1, 2])
@@ -184,6 +228,7 @@ def test_closing_an_unreachable_client_neither_waits_on_it_nor_destroys_it() -> 
 
     client = FakeStoreClient(healthy=False)
     tier = fake_tier(client)
+    tier.refresh_health()
     assert not tier.up
     ref = weakref.ref(client)
     start = time.monotonic()

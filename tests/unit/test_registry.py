@@ -29,7 +29,7 @@ CPU = ep("cpu", "kvplane.backend.cpu.plugin")
 CUDA = ep("cuda", FAKES)  # the module itself is the plugin
 MLU = ep("mlu", f"{FAKES}:mlu")
 NPU_MISSING = ep("npu", f"{FAKES}:npu_missing")
-NPU_EMULATED = ep("npu", f"{FAKES}:npu_emulated")
+NPU_EMULATED = ep("npu-emulated", f"{FAKES}:npu_emulated")
 BROKEN_EP = ep("mlu", BROKEN)
 
 
@@ -138,10 +138,25 @@ def test_an_unavailable_backend_raises_backend_unavailable_with_the_probes_reaso
 
 def test_an_emulated_backend_is_created_as_emulated_and_says_so() -> None:
     reg = registry(CPU, NPU_EMULATED)
-    (npu,) = [s for s in reg.survey() if s.name == "npu"]
-    assert npu.describe() == "npu: available (emulated)"
-    backend = reg.create("npu")
-    assert backend.emulated is True and backend.label == "npu (emulated)"
+    (npu,) = [s for s in reg.survey() if s.name == "npu-emulated"]
+    assert npu.describe() == "npu-emulated: available (emulated)"
+    backend = reg.create("npu-emulated")
+    assert backend.emulated is True and backend.label == "npu-emulated"
+
+
+def test_an_emulated_backend_is_used_only_when_named() -> None:
+    assert registry(CPU, NPU_EMULATED).select().name == "cpu"
+
+
+def test_a_plugin_added_by_a_fixture_loads_like_an_installed_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = registry(CPU)
+    assert "npu-emulated" not in reg.names()
+    reg.add(NPU_EMULATED)
+    assert reg.added() == (NPU_EMULATED,)
+    monkeypatch.setenv(ENV_VAR, "npu-emulated")
+    assert reg.create().emulated
+    with pytest.raises(ValueError, match="is in group 'kvplane.transports', not 'kvplane.backends'"):
+        reg.add(EntryPoint("x", "y", "kvplane.transports"))
 
 
 # -- auto-selection ------------------------------------------------------------------------------------------

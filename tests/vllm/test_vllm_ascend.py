@@ -15,7 +15,9 @@ pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip inst
 import torch  # noqa: E402
 from minivllm import MiniEngine  # noqa: E402
 
-from kvplane.testing.emulated import EMULATE_ENV, uninstall_emulated  # noqa: E402
+from kvplane.backend.registry import default_registry  # noqa: E402
+from kvplane.testing.backends import register_emulated  # noqa: E402
+from kvplane.testing.emulated import uninstall_emulated  # noqa: E402
 
 
 def free_port() -> int:
@@ -29,8 +31,8 @@ PROMPT = [(i * 29 + 3) % 983 for i in range(75)]
 
 @pytest.fixture
 def npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv(EMULATE_ENV, "npu")
-    monkeypatch.setenv("KVPLANE_DEVICE", "npu")
+    register_emulated(default_registry(), "npu")  # a test double: used only where named, as here
+    monkeypatch.setenv("KVPLANE_DEVICE", "npu-emulated")
     yield
     uninstall_emulated("npu")
 
@@ -40,7 +42,7 @@ def test_split_kv_tuples_offload_and_load_back_on_the_emulated_npu() -> None:
     engine = MiniEngine({"offload": {"host_bytes": 4 << 20}}, split_kv=True)
     try:
         backend = engine.worker._worker.backend
-        assert backend.name == "npu" and backend.emulated
+        assert backend.name == "npu-emulated" and backend.emulated
         assert engine.worker._worker.offload is not None
         first_layer = engine.worker._worker.spec.layer_names[0]
         assert {r.slot for r in engine.worker._worker.offload.pool.regions[first_layer]} == {"k", "v"}
@@ -87,7 +89,7 @@ def test_mla_nope_and_rope_tuples_offload_and_load_back_on_the_emulated_npu() ->
 def test_a_cuda_style_fused_mla_prefill_feeds_an_ascend_style_split_mla_decode() -> None:
     disagg = {"mode": "pull", "lease_s": 10.0, "heartbeat_s": 0.5}
     prefill = MiniEngine({"device": "cpu", "disagg": {**disagg, "port": free_port()}}, "kv_producer", mla=True)
-    decode = MiniEngine({"device": "npu", "disagg": {**disagg, "port": free_port()}}, "kv_consumer", mla=True,
+    decode = MiniEngine({"device": "npu-emulated", "disagg": {**disagg, "port": free_port()}}, "kv_consumer", mla=True,
                         split_kv=True)
     try:
         assert isinstance(prefill.caches[next(iter(prefill.caches))], torch.Tensor)  # (nb, bs, 80)

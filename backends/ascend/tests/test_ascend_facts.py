@@ -3,34 +3,28 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
-import textwrap
-from importlib.metadata import EntryPoint, PackageNotFoundError, distribution
 from pathlib import Path
 
 import numpy as np
 import pytest
 from kvplane_ascend.backend import AscendBackend
 
-from kvplane.backend.registry import GROUP, BackendRegistry
+from kvplane.backend.registry import BackendRegistry
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError, BackendUnavailable
 from kvplane.kv.layouts import LAYOUTS
+from kvplane.testing import backend_package
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 
 
 def declared_entry_points() -> dict[str, str]:
-    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
-    with PYPROJECT.open("rb") as f:
-        return dict(tomllib.load(f)["project"]["entry-points"][GROUP])
+    return backend_package.declared_entry_points(PYPROJECT)
 
 
 def registry_of_this_package() -> BackendRegistry:
-    eps = [EntryPoint(name, value, GROUP) for name, value in declared_entry_points().items()]
-    return BackendRegistry(lambda: eps)
+    return backend_package.registry_of(PYPROJECT)
 
 
 def test_device_facts_match_vllm_ascend() -> None:
@@ -62,7 +56,7 @@ def test_constructing_touches_no_device() -> None:
     backend = AscendBackend(3)
     assert backend.device_index == 3
     assert backend.label == "npu"
-    assert AscendBackend(0, emulated=True).label == "npu (emulated)"
+    assert not AscendBackend.emulated
     assert backend.mooncake_location() == "npu:3"
 
 
@@ -89,24 +83,8 @@ def test_probe_declines_here_and_says_to_install_torch_npu() -> None:
 
 
 def test_importing_the_plugin_does_not_import_torch_npu() -> None:
-    code = textwrap.dedent(
-        """
-        import sys
-        attempts = []
-        class Recorder:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] == "torch_npu":
-                    attempts.append(name)
-                return None
-        sys.meta_path.insert(0, Recorder())
-        import kvplane_ascend.plugin as plugin
-        cls = plugin.kvplane_backend()
-        cls(0).registration_spans([])
-        print(attempts, "torch_npu" in sys.modules)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["[]", "False"]
+    attempts, imported = backend_package.plugin_imports("kvplane_ascend.plugin", "torch_npu")
+    assert attempts == [] and not imported
 
 
 def test_pyproject_registers_the_plugin_under_npu() -> None:
@@ -115,12 +93,10 @@ def test_pyproject_registers_the_plugin_under_npu() -> None:
 
 
 def test_installed_distribution_registers_the_plugin_under_npu() -> None:
-    try:
-        dist = distribution("kvplane-ascend")
-    except PackageNotFoundError:
+    installed = backend_package.installed_entry_points("kvplane-ascend")
+    if installed is None:
         pytest.skip("kvplane-ascend is not installed")
-    eps = {ep.name: ep.value for ep in dist.entry_points if ep.group == GROUP}
-    assert eps == {"npu": "kvplane_ascend.plugin"}
+    assert installed == {"npu": "kvplane_ascend.plugin"}
 
 
 @pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")

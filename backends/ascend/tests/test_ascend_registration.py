@@ -10,8 +10,9 @@ import itertools
 import pytest
 from kvplane_ascend.backend import AscendBackend
 
-from kvplane.descriptors import Region, SlotPart
+from kvplane.descriptors import Region
 from kvplane.errors import BackendError
+from kvplane.testing import backend_package
 
 MiB = 1 << 20
 ALIGN = 2 * MiB
@@ -19,20 +20,7 @@ ALIGN = 2 * MiB
 
 def region(addr: int, nbytes: int, layer: int = 0, slot: str = "k") -> Region:
     """One region of ``nbytes`` at ``addr``: 16 contiguous blocks."""
-    block = nbytes // 16
-    return Region(
-        group_id=0,
-        layer=layer,
-        layer_name=f"layers.{layer}",
-        addr=addr,
-        num_blocks=16,
-        block_stride=block,
-        block_bytes=block,
-        tokens_per_block=16,
-        heads=1,
-        row_bytes=block // 16,
-        parts=(SlotPart(slot, 0, block // 16),),
-    )
+    return backend_package.region(addr, nbytes, layer=layer, slot=slot, num_blocks=16)
 
 
 def test_spans_are_widened_to_2_mib_boundaries() -> None:

@@ -13,7 +13,6 @@ from typing import ClassVar
 from kvplane.backend.accelerator import AcceleratorBackend
 from kvplane.backend.base import Probe
 from kvplane.backend.vendor_copy import CopyFunction
-from kvplane.testing.emulated import emulation_requested
 
 
 class CudaBackend(AcceleratorBackend):
@@ -40,12 +39,16 @@ class CudaBackend(AcceleratorBackend):
 
     @classmethod
     def probe(cls) -> Probe:
-        if emulation_requested(cls.name):
-            return super().probe()  # declines: torch.cuda is torch's own module, never emulated
         try:
             import torch
 
-            if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            hip = getattr(torch.version, "hip", None)
+            if hip is not None:  # ROCm torch answers to torch.cuda too: a ROCm backend claims those GPUs
+                return Probe(
+                    False, f"torch {torch.__version__} is a ROCm (HIP {hip}) build, whose torch.cuda drives AMD "
+                    f"GPUs; this backend runs NVIDIA's CUDA runtime only: install a ROCm backend for kvplane"
+                )
+            if torch.version.cuda is None:
                 return Probe(False, f"torch {torch.__version__} is built without CUDA; {cls.install_hint}")
         except Exception as e:  # noqa: BLE001 - probe() must not raise
             return Probe(False, f"probing torch.cuda raised {type(e).__name__}: {e}")
@@ -58,11 +61,8 @@ class CudaBackend(AcceleratorBackend):
         major = (torch.version.cuda or "").split(".")[0]
         return (f"libcudart.so.{major}", self.memcpy_library) if major else (self.memcpy_library,)
 
-    def _copy_function(self) -> CopyFunction:
-        if self._copy_fn is None:
-            loop = super()._copy_function()
-            if loop.library != "emulated":
-                from kvplane_cuda.batch import with_batch
+    def load_copy_function(self) -> CopyFunction:
+        """``cudaMemcpyBatchAsync`` where the runtime has it, falling back to the ``cudaMemcpyAsync`` loop."""
+        from kvplane_cuda.batch import with_batch
 
-                self._copy_fn = with_batch(loop, self.install_hint)
-        return super()._copy_function()
+        return with_batch(super().load_copy_function(), self.install_hint)

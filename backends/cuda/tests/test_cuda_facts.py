@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from importlib.metadata import EntryPoint, PackageNotFoundError, distribution
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +12,11 @@ import pytest
 import torch
 from kvplane_cuda.backend import CudaBackend
 
-from kvplane.backend.registry import GROUP, BackendRegistry
+from kvplane.backend.registry import BackendRegistry
 from kvplane.descriptors import CopyPlan, Region, SlotPart
 from kvplane.errors import BackendError, BackendUnavailable
 from kvplane.kv.layouts import LAYOUTS
+from kvplane.testing import backend_package
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 HAS_GPU = torch.cuda.is_available()
@@ -24,14 +24,11 @@ needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device here")
 
 
 def declared_entry_points() -> dict[str, str]:
-    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
-    with PYPROJECT.open("rb") as f:
-        return dict(tomllib.load(f)["project"]["entry-points"][GROUP])
+    return backend_package.declared_entry_points(PYPROJECT)
 
 
 def registry_of_this_package() -> BackendRegistry:
-    eps = [EntryPoint(name, value, GROUP) for name, value in declared_entry_points().items()]
-    return BackendRegistry(lambda: eps)
+    return backend_package.registry_of(PYPROJECT)
 
 
 def test_device_facts_match_vllm_on_cuda() -> None:
@@ -83,6 +80,17 @@ def test_probe_declines_here_and_says_what_to_install() -> None:
         assert "no cuda device is visible" in probe.reason
 
 
+def test_a_rocm_build_of_torch_is_declined_even_with_gpus_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ROCm torch answers to torch.cuda with AMD GPUs: a ROCm backend, not this one, claims them
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    probe = CudaBackend.probe()
+    assert not probe.available
+    assert "ROCm (HIP 6.2.41133) build" in probe.reason and "install a ROCm backend" in probe.reason
+
+
 def test_importing_the_plugin_does_not_initialise_cuda() -> None:
     code = textwrap.dedent(
         """
@@ -103,13 +111,10 @@ def test_pyproject_registers_the_plugin_under_cuda() -> None:
 
 
 def test_installed_distribution_registers_the_plugin_under_cuda() -> None:
-    try:
-        dist = distribution("kvplane-cuda")
-    except PackageNotFoundError:
+    installed = backend_package.installed_entry_points("kvplane-cuda")
+    if installed is None:
         pytest.skip("kvplane-cuda is not installed")
-    assert {ep.name: ep.value for ep in dist.entry_points if ep.group == GROUP} == {
-        "cuda": "kvplane_cuda.plugin"
-    }
+    assert installed == {"cuda": "kvplane_cuda.plugin"}
 
 
 @pytest.mark.skipif(HAS_GPU, reason="a CUDA device is visible here")

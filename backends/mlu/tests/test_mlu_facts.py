@@ -3,34 +3,28 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
-import textwrap
-from importlib.metadata import EntryPoint, PackageNotFoundError, distribution
 from pathlib import Path
 
 import numpy as np
 import pytest
 from kvplane_mlu.backend import MluBackend
 
-from kvplane.backend.registry import GROUP, BackendRegistry
+from kvplane.backend.registry import BackendRegistry
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError, BackendUnavailable
 from kvplane.kv.layouts import LAYOUTS
+from kvplane.testing import backend_package
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 HAS_TORCH_MLU = importlib.util.find_spec("torch_mlu") is not None
 
 
 def declared_entry_points() -> dict[str, str]:
-    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
-    with PYPROJECT.open("rb") as f:
-        return dict(tomllib.load(f)["project"]["entry-points"][GROUP])
+    return backend_package.declared_entry_points(PYPROJECT)
 
 
 def registry_of_this_package() -> BackendRegistry:
-    eps = [EntryPoint(name, value, GROUP) for name, value in declared_entry_points().items()]
-    return BackendRegistry(lambda: eps)
+    return backend_package.registry_of(PYPROJECT)
 
 
 def test_device_facts_match_torch_mlu_and_xllm() -> None:
@@ -55,7 +49,7 @@ def test_mooncake_registers_mlu_memory_by_dma_buf_location() -> None:
 
 def test_constructing_touches_no_device() -> None:
     assert MluBackend(1).label == "mlu"
-    assert MluBackend(0, emulated=True).label == "mlu (emulated)"
+    assert not MluBackend.emulated
 
 
 def test_executing_a_plan_needs_a_direction() -> None:
@@ -80,23 +74,8 @@ def test_probe_declines_here_and_says_to_install_torch_mlu() -> None:
 
 
 def test_importing_the_plugin_does_not_import_torch_mlu() -> None:
-    code = textwrap.dedent(
-        """
-        import sys
-        attempts = []
-        class Recorder:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] == "torch_mlu":
-                    attempts.append(name)
-                return None
-        sys.meta_path.insert(0, Recorder())
-        import kvplane_mlu.plugin as plugin
-        plugin.kvplane_backend()(0).registration_spans([])
-        print(attempts, "torch_mlu" in sys.modules)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["[]", "False"]
+    attempts, imported = backend_package.plugin_imports("kvplane_mlu.plugin", "torch_mlu")
+    assert attempts == [] and not imported
 
 
 def test_pyproject_registers_the_plugin_under_mlu() -> None:
@@ -105,13 +84,10 @@ def test_pyproject_registers_the_plugin_under_mlu() -> None:
 
 
 def test_installed_distribution_registers_the_plugin_under_mlu() -> None:
-    try:
-        dist = distribution("kvplane-mlu")
-    except PackageNotFoundError:
+    installed = backend_package.installed_entry_points("kvplane-mlu")
+    if installed is None:
         pytest.skip("kvplane-mlu is not installed")
-    assert {ep.name: ep.value for ep in dist.entry_points if ep.group == GROUP} == {
-        "mlu": "kvplane_mlu.plugin"
-    }
+    assert installed == {"mlu": "kvplane_mlu.plugin"}
 
 
 @pytest.mark.skipif(HAS_TORCH_MLU, reason="torch_mlu is installed here")

@@ -9,7 +9,8 @@ import pytest
 import torch
 from kvplane_mlu.backend import MluBackend
 
-from kvplane.descriptors import Region, SlotPart
+from kvplane.descriptors import Region
+from kvplane.testing import backend_package
 
 
 def fake_torch_mlu(monkeypatch: pytest.MonkeyPatch, *, available: bool, count: int) -> None:
@@ -39,19 +40,7 @@ def test_visible_mlus_make_it_available(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def region(addr: int, nbytes: int, layer: int) -> Region:
-    return Region(
-        group_id=0,
-        layer=layer,
-        layer_name=f"layers.{layer}",
-        addr=addr,
-        num_blocks=1,
-        block_stride=nbytes,
-        block_bytes=nbytes,
-        tokens_per_block=16,
-        heads=1,
-        row_bytes=nbytes // 16,
-        parts=(SlotPart("k", 0, nbytes // 16),),
-    )
+    return backend_package.region(addr, nbytes, layer=layer)
 
 
 def test_spans_are_the_regions_themselves_merged_only_when_they_touch() -> None:

@@ -23,8 +23,8 @@ class CpuBackend(Backend):
     nixl_memory_type = "DRAM"
     layouts: ClassVar[dict[str, str]] = {"gqa": "packed_kv", "mla": "mla_fused", "index": "index"}
 
-    def __init__(self, device_index: int = 0, *, emulated: bool = False, copy_threads: int | None = None) -> None:
-        super().__init__(device_index, emulated=emulated)
+    def __init__(self, device_index: int = 0, *, copy_threads: int | None = None) -> None:
+        super().__init__(device_index)
         self.copy_threads = copy_threads or default_threads()
         self._host_stream = HostStream()
 

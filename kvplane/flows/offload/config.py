@@ -2,24 +2,28 @@
 
 Both are frozen dataclasses checked on construction; a bad value raises ``OffloadConfigError`` naming the
 field, the value and the fix. ``OffloadConfig.from_dict`` takes the JSON-ish dict an engine's config carries
-(vLLM's ``kv_connector_extra_config``).
+(vLLM's ``kv_connector_extra_config``) and builds it with ``kvplane.config.build`` (msgspec): a wrong type, a
+misspelt protocol or a missing ``master_address`` is an error naming its path (``$.store.protocol``), the value
+and what was expected.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from kvplane.flows.config_keys import check_keys
+from kvplane.config import build, invalid
 from kvplane.flows.offload.errors import OffloadConfigError
 
 MiB = 1 << 20
+# Mooncake Store's protocols kvplane has run or documented (FACTS: tcp here, rdma for CUDA/MLU, ascend for NPUs)
+StoreProtocol = Literal["tcp", "rdma", "ascend"]
 
 
 def _positive(owner: str, name: str, value: float) -> None:
     if not value > 0:
-        raise OffloadConfigError(f"{owner}.{name}={value!r} must be > 0")
+        raise invalid(OffloadConfigError, owner, name, value, "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -31,13 +35,14 @@ class StoreConfig:
     stored in the host tier is also put to the store as soon as its copy is done; otherwise blocks go to the
     store when the host tier evicts them. Every store call is bounded by ``timeout_s`` plus the time its bytes
     take at ``min_gbps``; a call past its bound, or an unhealthy client, turns the store off for
-    ``retry_after_s`` with a warning, and requests carry on with the host tier alone.
+    ``retry_after_s`` with a warning, and requests carry on with the host tier alone. A monitor thread asks
+    the client's health every ``health_interval_s``; calls read the last answer and never wait for one.
     """
 
     master_address: str
     local_hostname: str = "127.0.0.1"
     metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
+    protocol: StoreProtocol = "tcp"
     device_name: str = ""
     segment_bytes: int = 256 * MiB
     local_buffer_bytes: int = 64 * MiB
@@ -47,23 +52,26 @@ class StoreConfig:
     min_gbps: float = 0.5
     setup_timeout_s: float = 10.0
     retry_after_s: float = 10.0
+    health_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         host, _, port = self.master_address.rpartition(":")
         if not host or not port.isdigit():
-            raise OffloadConfigError(
-                f"StoreConfig.master_address={self.master_address!r} is not host:port; pass e.g. "
-                f"'127.0.0.1:50051' (the address mooncake_master listens on)"
+            raise invalid(
+                OffloadConfigError, "StoreConfig", "master_address", self.master_address,
+                "is not host:port; pass e.g. '127.0.0.1:50051' (the address mooncake_master listens on)",
             )
+        if self.protocol not in StoreProtocol.__args__:  # type: ignore[attr-defined]
+            raise invalid(OffloadConfigError, "StoreConfig", "protocol", self.protocol,
+                          f"is not one of {list(StoreProtocol.__args__)}")  # type: ignore[attr-defined]
         if self.segment_bytes < 0:
-            raise OffloadConfigError(f"StoreConfig.segment_bytes={self.segment_bytes} must be >= 0")
+            raise invalid(OffloadConfigError, "StoreConfig", "segment_bytes", self.segment_bytes, "must be >= 0")
         _positive("StoreConfig", "local_buffer_bytes", self.local_buffer_bytes)
-        for name in ("timeout_s", "min_gbps", "setup_timeout_s", "retry_after_s"):
+        for name in ("timeout_s", "min_gbps", "setup_timeout_s", "retry_after_s", "health_interval_s"):
             _positive("StoreConfig", name, getattr(self, name))
         if not self.namespace or "/" in self.namespace:
-            raise OffloadConfigError(
-                f"StoreConfig.namespace={self.namespace!r} must be non-empty and contain no '/'"
-            )
+            raise invalid(OffloadConfigError, "StoreConfig", "namespace", self.namespace,
+                          "must be non-empty and contain no '/'")
 
 
 @dataclass(frozen=True)
@@ -76,18 +84,13 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.host_bytes, int) or self.host_bytes <= 0:
-            raise OffloadConfigError(
-                f"OffloadConfig.host_bytes={self.host_bytes!r} must be a positive int (bytes of host memory for "
-                f"offloaded KV, e.g. 4 << 30)"
+            raise invalid(
+                OffloadConfigError, "OffloadConfig", "host_bytes", self.host_bytes,
+                "must be a positive int (bytes of host memory for offloaded KV, e.g. 4 << 30)",
             )
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> OffloadConfig:
-        """Build from plain data: ``{"host_bytes": ..., "store": {"master_address": ..., ...}}``."""
-        check_keys(cls, raw, "offload config", OffloadConfigError)
-        store_raw = raw.get("store")
-        store = None
-        if store_raw is not None:
-            check_keys(StoreConfig, store_raw, "store config", OffloadConfigError)
-            store = StoreConfig(**store_raw)
-        return cls(**{**raw, "store": store})
+    def from_dict(cls, raw: Mapping[str, Any], *, what: str = "offload config", path: str = "$") -> OffloadConfig:
+        """Build from plain data: ``{"host_bytes": ..., "store": {"master_address": ..., ...}}``; ``what`` and
+        ``path`` say where ``raw`` sits in a larger config, for the error messages."""
+        return build(cls, raw, what=what, error=OffloadConfigError, path=path)

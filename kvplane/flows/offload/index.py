@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvplane.blocks.groups import Ids
 from kvplane.blocks.pool import BlockPool
 from kvplane.errors import BlockError
 
-Ids = npt.NDArray[np.int64]
 EvictHook = Callable[[int, list[int], list[int]], None]  # (group, victim block ids, their prefix hashes)
 
 

@@ -13,14 +13,12 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
+from kvplane.blocks.groups import Ids
 from kvplane.flows.offload.host_pool import HostPool
 from kvplane.flows.offload.index import HostIndex
 from kvplane.flows.offload.keys import block_keys
 from kvplane.flows.offload.store import StoreTier, StoreWrite
-
-Ids = npt.NDArray[np.int64]
 
 
 class StoreLink:

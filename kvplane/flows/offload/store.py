@@ -4,11 +4,13 @@ The offload engine puts whole host blocks under their prefix keys (``keys.py``) 
 blocks; both go straight from and into the registered host pool (``batch_put_from`` / ``batch_get_into``).
 
 A store that stops answering must never fail or hang a request. Every Mooncake call runs on a daemon worker
-thread, and the caller waits at most ``timeout_s`` plus the call's bytes at ``min_gbps``. A call past its bound,
-a client that reports itself unhealthy (``health_check``), a call answered with ``RPC_FAIL`` (the real
-client keeps reporting healthy for about a second after its master dies), or a setup that does not finish
-(against a dead master ``setup`` itself takes about 90 s) turns the tier off
-with one warning; after ``retry_after_s`` the next call checks health again and turns it back on. A call that
+thread, and the caller waits at most ``timeout_s`` plus the call's bytes at ``min_gbps``. The client's health is
+a value, not a call: a monitor thread asks ``health_check`` every ``health_interval_s`` and keeps the answer
+(``StoreTier.healthy``), so a lookup made under the connector's worker lock reads it without waiting. A call
+past its bound, a client that reports itself unhealthy, a call answered with ``RPC_FAIL`` (the real client
+keeps reporting healthy for about a second after its master dies), or a setup that does not finish (against a
+dead master ``setup`` itself takes about 90 s) turns the tier off with one warning; once ``retry_after_s`` has
+passed and the monitor reports the client healthy, the next call turns it back on. A call that
 timed out may still be running: the caller keeps the host blocks it reads or writes pinned until its future
 completes (``StoreWrite.done``), so a late transfer never sees a reused block.
 """
@@ -110,6 +112,8 @@ class StoreTier:
         self._registered = False
         self._down_reason: str | None = None
         self._retry_at = 0.0
+        self._health: tuple[bool, str] = (True, "")  # (healthy, why not): written by the monitor thread only
+        self._stop = threading.Event()
         self.degradations = 0  # how many times the tier turned itself off (reports and tests)
         c = config
         self._setup: Future[int] = self._query.submit(
@@ -129,6 +133,7 @@ class StoreTier:
         else:
             if rc != 0:
                 self._degrade(f"setup with master {c.master_address} returned {rc}")
+        threading.Thread(target=self._monitor, name="kvplane-store-health", daemon=True).start()
 
     @property
     def client(self) -> Any:
@@ -137,21 +142,39 @@ class StoreTier:
 
     # -- health -------------------------------------------------------------------------------------------
     @property
+    def healthy(self) -> bool:
+        """The client's health as the monitor thread last saw it. Never blocks, never calls the client."""
+        return self._health[0]
+
+    def refresh_health(self) -> bool:
+        """Ask the client now (blocking: the monitor thread runs it every ``health_interval_s``)."""
+        if not self._setup_ok():
+            self._health = (False, "setup has not succeeded")
+        else:
+            try:
+                ok = int(self._client.health_check()) == 0
+                self._health = (ok, "" if ok else "the client reports the master unreachable (health_check != 0)")
+            except Exception as e:
+                self._health = (False, f"health_check raised {e!r}")
+        return self._health[0]
+
+    def _monitor(self) -> None:
+        while not self._stop.is_set():
+            self.refresh_health()
+            self._stop.wait(self.config.health_interval_s)
+
+    def _setup_ok(self) -> bool:
+        return self._setup.done() and self._setup.exception() is None and self._setup.result() == 0
+
+    @property
     def up(self) -> bool:
-        """Whether store calls are being made now (checks health first, and retries after ``retry_after_s``)."""
-        if self._down_reason is not None:
-            if time.monotonic() < self._retry_at:
-                return False
-            if not (self._setup.done() and self._setup.exception() is None and self._setup.result() == 0):
-                self._retry_at = time.monotonic() + self.config.retry_after_s
-                return False
-        try:
-            healthy = int(self._client.health_check()) == 0
-        except Exception as e:
-            self._degrade(f"health_check raised {e!r}")
+        """Whether store calls are being made now: reads the monitored health (no call to the client) and
+        turns the tier back on once ``retry_after_s`` has passed and the client is healthy again."""
+        if self._down_reason is not None and (time.monotonic() < self._retry_at or not self._setup_ok()):
             return False
+        healthy, reason = self._health
         if not healthy:
-            self._degrade("the client reports the master unreachable (health_check != 0)")
+            self._degrade(reason)
             return False
         if self._down_reason is not None:
             logger.warning("Mooncake store at %s is back; using the store tier again", self.config.master_address)
@@ -269,6 +292,7 @@ class StoreTier:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Close the client when it is healthy (bounded); an unreachable one is abandoned, never waited on."""
+        self._stop.set()
         self._io.stop()
         self._query.stop()
         if self._down_reason is None and self._setup.done():

@@ -9,8 +9,11 @@
 ``offload`` turns on the host tier (and Mooncake Store behind it); ``disagg`` turns on prefill/decode transfer,
 the side following ``kv_role`` (producer: prefill, consumer: decode, both: both). Either or both may be given.
 The disaggregation fields are ``DisaggConfig``'s; ``engine_id``, ``boot_id``, ``rank`` and ``tp_size`` come from
-vLLM. Built in both the scheduler and every worker from the same dict; a bad value raises
-``ConnectorConfigError`` naming the field, the value and the fix, before anything starts.
+vLLM. Built in both the scheduler and every worker from the same dict with ``kvplane.config.build`` (msgspec): a
+bad value raises ``ConnectorConfigError`` (or ``OffloadConfigError``) naming its path (``$.offload.host_bytes``),
+the value and the fix, before anything starts. Enumerated values are checked against what is there: ``device``
+against the installed backends, ``disagg.transport`` against the installed transports, ``layouts`` against
+kvplane's layouts and KV families, ``disagg.mode`` and ``offload.store.protocol`` against their choices.
 """
 
 from __future__ import annotations
@@ -20,19 +23,41 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvplane.backend.registry import default_registry as backends
+from kvplane.config import build, check_keys
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.offload.config import OffloadConfig
+from kvplane.kv.layouts import LAYOUTS
+from kvplane.kv.spec import FAMILY_SLOTS
+from kvplane.transports.registry import default_registry as transports
 
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 ROLES: tuple[Role, ...] = ("kv_producer", "kv_consumer", "kv_both")
-KNOWN = ("offload", "disagg", "device", "layouts", "lookup_timeout_s", "cross_layer_blocks")
 FROM_VLLM = ("engine_id", "boot_id", "rank", "tp_size")
 DEFAULT_PORT = 5600  # the scheduler must know it to put it into kv_transfer_params, so 0 (any) is refused
+WHAT = "kv_connector_extra_config"
 
 
 class ConnectorConfigError(KvplaneError, ValueError):
     """``kv_connector_extra_config`` (or ``kv_role``) holds a value the connector cannot use."""
+
+
+@dataclass(frozen=True)
+class ExtraConfig:
+    """``kv_connector_extra_config`` as typed plain data; the sections are built by their own configs."""
+
+    offload: dict[str, Any] | None = None
+    disagg: dict[str, Any] | None = None
+    device: str | None = None
+    layouts: dict[str, str] | None = None
+    lookup_timeout_s: float = 5.0
+    cross_layer_blocks: bool = True
+
+
+def _one_of(path: str, value: Any, choices: list[str], what: str) -> None:
+    if value not in choices:
+        raise ConnectorConfigError(f"{WHAT}: {path}={value!r} is not {what}; choose one of {sorted(choices)}")
 
 
 @dataclass(frozen=True)
@@ -82,11 +107,7 @@ class ConnectorConfig:
     ) -> ConnectorConfig:
         """Parse and check ``kv_connector_extra_config``; ``role`` is ``kv_transfer_config.kv_role``."""
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(KNOWN))
-        if unknown:
-            raise ConnectorConfigError(
-                f"kv_connector_extra_config has unknown key(s) {unknown}; kvplane knows {list(KNOWN)}"
-            )
+        check_keys(ExtraConfig, extra, f"{WHAT}: $", ConnectorConfigError)
         if role not in ROLES:
             raise ConnectorConfigError(f"kv_role={role!r} is not one of {ROLES}; set it in --kv-transfer-config")
         if "offload" not in extra and "disagg" not in extra:
@@ -94,48 +115,44 @@ class ConnectorConfig:
                 "kv_connector_extra_config has neither 'offload' nor 'disagg': the connector would do nothing; add "
                 "'offload': {'host_bytes': ...} and/or 'disagg': {'mode': 'pull', 'port': ...}"
             )
+        layouts = extra.get("layouts")
+        if layouts is not None and not isinstance(layouts, Mapping):
+            raise ConnectorConfigError(
+                f"{WHAT}: $.layouts={layouts!r} must map a family to a layout, e.g. {{'gqa': 'split_kv'}}"
+            )
+        typed = build(ExtraConfig, extra, what=WHAT, error=ConnectorConfigError)
+        if typed.device is not None:
+            _one_of("$.device", typed.device, backends().names(), "an installed backend")
+        for family, layout in (typed.layouts or {}).items():
+            _one_of("$.layouts", family, list(FAMILY_SLOTS), "a KV family")
+            _one_of(f"$.layouts.{family}", layout, list(LAYOUTS), "a layout")
+        if not typed.lookup_timeout_s > 0:
+            raise ConnectorConfigError(f"{WHAT}: $.lookup_timeout_s={typed.lookup_timeout_s} must be > 0")
         safe_id = engine_id.replace("/", "_")
         # one lifetime of the instance: vLLM draws instance_id per launch and hands the same config to every rank
         boot_id = hashlib.sha1(f"{safe_id}:{instance_id}".encode()).hexdigest()[:16]
         offload = None
-        if extra.get("offload") is not None:
-            raw = extra["offload"]
-            if not isinstance(raw, Mapping):
-                raise ConnectorConfigError(f"kv_connector_extra_config.offload={raw!r} must be an object")
-            offload = OffloadConfig.from_dict(raw)
+        if typed.offload is not None:
+            offload = OffloadConfig.from_dict(typed.offload, what=WHAT, path="$.offload")
         disagg = None
-        if extra.get("disagg") is not None:
-            raw = extra["disagg"]
-            if not isinstance(raw, Mapping):
-                raise ConnectorConfigError(f"kv_connector_extra_config.disagg={raw!r} must be an object")
+        if typed.disagg is not None:
+            raw = typed.disagg
             clash = sorted(set(raw) & set(FROM_VLLM))
             if clash:
                 raise ConnectorConfigError(
-                    f"kv_connector_extra_config.disagg sets {clash}, which come from vLLM (engine_id from "
+                    f"{WHAT}: $.disagg sets {clash}, which come from vLLM (engine_id from "
                     f"kv_transfer_config.engine_id, rank and tp_size from the parallel config); remove them"
                 )
             if raw.get("port", DEFAULT_PORT) == 0:
                 raise ConnectorConfigError(
-                    "kv_connector_extra_config.disagg.port=0: the scheduler puts the port into kv_transfer_params "
-                    "before the workers bind it, so it must be fixed; pick a base port (rank r listens on port + r)"
+                    f"{WHAT}: $.disagg.port=0: the scheduler puts the port into kv_transfer_params before the "
+                    f"workers bind it, so it must be fixed; pick a base port (rank r listens on port + r)"
                 )
+            if "transport" in raw:
+                _one_of("$.disagg.transport", raw["transport"], transports().names(), "an installed transport")
+            vllm = {"engine_id": safe_id, "boot_id": boot_id, "rank": 0, "tp_size": tp_size}
+            build(DisaggConfig, {"port": DEFAULT_PORT, **raw, **vllm}, what=WHAT, error=ConnectorConfigError,
+                  path="$.disagg")  # every type and DisaggConfig check, now rather than in a worker
             disagg = dict(raw)
-        lookup_timeout_s = float(extra.get("lookup_timeout_s", 5.0))
-        if not lookup_timeout_s > 0:
-            raise ConnectorConfigError(f"kv_connector_extra_config.lookup_timeout_s={lookup_timeout_s} must be > 0")
-        layouts = extra.get("layouts")
-        if layouts is not None and not isinstance(layouts, Mapping):
-            raise ConnectorConfigError(
-                f"kv_connector_extra_config.layouts={layouts!r} must map a family to a layout, e.g. "
-                f"{{'gqa': 'split_kv'}}"
-            )
-        cross_layer = extra.get("cross_layer_blocks", True)
-        if not isinstance(cross_layer, bool):
-            raise ConnectorConfigError(
-                f"kv_connector_extra_config.cross_layer_blocks={cross_layer!r} must be true or false"
-            )
-        out = cls(role, safe_id, boot_id, tp_size, offload, disagg, extra.get("device"), layouts, lookup_timeout_s,
-                  cross_layer)
-        if disagg is not None:
-            out.disagg_for(0)  # every DisaggConfig check, now rather than in a worker
-        return out
+        return cls(role, safe_id, boot_id, tp_size, offload, disagg, typed.device, typed.layouts,
+                   typed.lookup_timeout_s, typed.cross_layer_blocks)
