@@ -4,7 +4,8 @@
 layers of DeepSeek-V3 = a few ms per request of Python on the engine's thread, which on the cpu backend also
 holds up the copy worker). ``LayerPlanner`` stacks every (layer, slot) region pair of one KV-cache group into
 arrays of bases and strides, computes all addresses with one broadcast, coalesces them in one pass that never
-merges across a layer boundary, and hands out each layer's plan as views. The plans equal what
+merges across a layer boundary, and hands out the whole plan with each layer's bounds in it (``parts``; the
+engine enqueues it as one batch) or each layer's plan as views (``plans``). The plans equal what
 ``block_copy_plan`` gives for the same ids (tests compare them).
 """
 
@@ -44,11 +45,20 @@ class LayerPlanner:
 
     def plans(self, src_ids: Ids, dst_ids: Ids) -> dict[str, CopyPlan]:
         """Every layer's plan copying block ``src_ids[i]`` into ``dst_ids[i]``, coalesced."""
+        plan, bounds = self.parts(src_ids, dst_ids)
+        return {
+            name: CopyPlan(plan.src[a:b], plan.dst[a:b], plan.length[a:b])
+            for name, a, b in zip(self.layers, bounds[:-1], bounds[1:])
+        }
+
+    def parts(self, src_ids: Ids, dst_ids: Ids) -> tuple[CopyPlan, list[int]]:
+        """All layers' descriptors as one coalesced plan, and ``bounds``: layer ``i`` (in ``self.layers``
+        order) is descriptors ``[bounds[i], bounds[i + 1])``."""
         if src_ids.shape != dst_ids.shape:
             raise PlanError(f"{src_ids.size} source block ids but {dst_ids.size} destination ids; pass equal counts")
         n = src_ids.size
         if n == 0:
-            return {name: CopyPlan.empty() for name in self.layers}
+            return CopyPlan.empty(), [0] * (len(self.layers) + 1)
         self._check("source", src_ids, self._src_blocks)
         self._check("destination", dst_ids, self._dst_blocks)
         src = (self._src_base + src_ids[None, :] * self._src_stride).ravel()
@@ -65,10 +75,7 @@ class LayerPlanner:
         c_src, c_dst = src[starts], dst[starts]
         c_len = (csum[ends] - csum[starts]).astype(np.int64)
         bounds = np.searchsorted(starts, self._rows * n)
-        return {
-            name: CopyPlan(c_src[a:b], c_dst[a:b], c_len[a:b])
-            for name, a, b in zip(self.layers, bounds[:-1].tolist(), bounds[1:].tolist())
-        }
+        return CopyPlan(c_src, c_dst, c_len), bounds.tolist()
 
     @staticmethod
     def _check(side: str, ids: Ids, num_blocks: int) -> None:
