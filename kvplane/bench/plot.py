@@ -1,42 +1,148 @@
-"""The bench plot: GB/s against block size per scenario family, each with its baseline drawn beside it."""
+"""The bench plot: one figure, one panel per kind, and a ratio panel beside them.
+
+Offload, P/D and store panels draw GB/s per row as grouped bars, kvplane solid and its baseline hatched beside
+it, labelled by model, transport and mode, with kvplane's descriptor count over its bar. Timed-only rows (plan,
+overhead) are drawn in milliseconds. Block-size sweeps (``copy-*`` rows, ``--full``) are lines against tokens
+per block. The ratio panel has every row's kvplane/baseline ratio with the 1.0 line marked. Colours belong to
+transports and never change between runs; the legend sits above the panels, outside the data.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections import defaultdict
+from typing import Any
 
 from kvplane.bench.results import BenchResult
+from kvplane.bench.table import label
+
+PLOT_HINT = "pip install 'kvplane[bench]' (or matplotlib), then run kvplane bench again"
+COLOURS = {
+    "local": "#4C72B0",
+    "mooncake": "#DD8452",
+    "nixl": "#55A868",
+    "mooncake-store": "#C44E52",
+    "none": "#8172B3",
+}
+OTHER = "#7F7F7F"
+BAR_KINDS = ("offload", "pd", "store")
+TIMED_KINDS = ("overhead", "plan")
+TITLES = {
+    "offload": "offload: host tier store/load (GB/s)",
+    "pd": "P/D: prefill done -> KV ready, or transport only (GB/s)",
+    "store": "Mooncake Store tier (GB/s)",
+    "timed": "kvplane's own time (ms): plans, and offload with copies stubbed",
+    "sweep": "block copy plans by block size (GB/s)",
+}
+
+
+def plot_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _colour(r: BenchResult) -> str:
+    return COLOURS.get(r.transport, OTHER)
+
+
+def _desc(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
+def _bars(ax: Any, rows: list[BenchResult], *, timed: bool) -> None:
+    width = 0.38
+    xs = range(len(rows))
+    for x, r in zip(xs, rows):
+        c = _colour(r)
+        ours = r.seconds * 1e3 if timed else r.gbps
+        base = r.baseline_seconds * 1e3 if timed else r.baseline_gbps
+        ax.bar(x - width / 2, ours, width, color=c, edgecolor=c)
+        ax.bar(x + width / 2, base, width, color=c, alpha=0.35, hatch="///", edgecolor=c)
+        if r.descriptors:
+            ax.annotate(_desc(r.descriptors), (x - width / 2, ours), xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=7, rotation=90)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([label(r).replace(" ", "\n") for r in rows], fontsize=7.5)
+    ax.set_xlim(-0.6, len(rows) - 0.4)
+    ax.margins(y=0.25)
+    if timed:
+        ax.set_yscale("log")
+    ax.set_ylabel("ms (log)" if timed else "GB/s")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def _sweep(ax: Any, rows: list[BenchResult]) -> None:
+    series: dict[str, list[BenchResult]] = defaultdict(list)
+    for r in rows:
+        series[f"{label(r).rsplit(' ', 1)[0]}"].append(r)
+    markers = "osD^v<>"
+    for i, (name, rs) in enumerate(sorted(series.items())):
+        rs.sort(key=lambda r: r.params["block_tokens"])
+        xs = [r.params["block_tokens"] for r in rs]
+        ax.plot(xs, [r.gbps for r in rs], marker=markers[i % len(markers)], color=f"C{i}", label=name)
+        ax.plot(xs, [r.baseline_gbps for r in rs], ls="--", color=f"C{i}", alpha=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per block (dashed: contiguous copy_ baseline)")
+    ax.set_ylabel("GB/s")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), borderaxespad=0.5)
+
+
+def _ratios(ax: Any, rows: list[BenchResult]) -> None:
+    ys = list(range(len(rows)))[::-1]
+    for y, r in zip(ys, rows):
+        ax.barh(y, r.ratio, color=_colour(r), height=0.7)
+    ax.axvline(1.0, color="black", lw=1.2, ls="--")
+    ax.text(1.0, len(rows) - 0.3, " 1.0 = baseline", fontsize=7, va="bottom")
+    ax.set_yticks(ys)
+    ax.set_yticklabels([f"{r.kind} {label(r)}" for r in rows], fontsize=7)
+    ax.set_ylim(-0.7, len(rows) + 0.3)
+    ax.set_xlabel("kvplane / baseline (speed)")
+    ax.set_title("ratio", fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
 
 
 def plot(results: list[BenchResult], path: str, title: str) -> bool:
-    """Write a PNG; False (nothing written) when no result has a block size to plot against."""
+    """Write the PNG; False (nothing written) when there are no results."""
+    if not results:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    series: dict[str, list[BenchResult]] = defaultdict(list)
-    for r in results:
-        if "block_tokens" in r.params:
-            key = "-".join(str(r.params[k]) for k in ("model", "direction") if k in r.params) or r.kind
-            series[f"{r.kind}: {key}"].append(r)
-    if not series:
-        return False
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for i, (label, rs) in enumerate(sorted(series.items())):
-        rs.sort(key=lambda r: r.params["block_tokens"])
-        xs = [r.params["block_tokens"] for r in rs]
-        color = f"C{i % 10}"
-        ax.plot(xs, [r.gbps for r in rs], "o-", color=color, label=f"kvplane {label}")
-        ax.plot(xs, [r.baseline_gbps for r in rs], "s--", color=color, alpha=0.5, label=f"baseline ({rs[0].baseline})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per block")
-    ax.set_ylabel("GB/s")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    sweep = [r for r in results if r.scenario.startswith("copy-") and "block_tokens" in r.params]
+    panels: list[tuple[str, list[BenchResult]]] = []
+    for kind in BAR_KINDS:
+        rows = [r for r in results if r.kind == kind and r not in sweep]
+        if rows:
+            panels.append((kind, rows))
+    timed = [r for r in results if r.kind in TIMED_KINDS]
+    if timed:
+        panels.append(("timed", timed))
+    if sweep:
+        panels.append(("sweep", sweep))
+    widest = max(len(rows) for _, rows in panels)
+    fig = plt.figure(figsize=(max(12.0, 4.5 + 0.55 * widest), 1.2 + 3.0 * len(panels)))
+    grid = fig.add_gridspec(len(panels), 2, width_ratios=[3.2, 1.0], hspace=0.75, wspace=0.35)
+    for i, (kind, rows) in enumerate(panels):
+        ax = fig.add_subplot(grid[i, 0])
+        if kind == "sweep":
+            _sweep(ax, rows)
+        else:
+            _bars(ax, rows, timed=kind == "timed")
+        ax.set_title(TITLES.get(kind, kind), fontsize=10, loc="left")
+    _ratios(fig.add_subplot(grid[:, 1]), [r for r in results if r.ratio > 0])
+    used = sorted({r.transport for r in results}, key=lambda t: list(COLOURS).index(t) if t in COLOURS else 99)
+    handles = [Patch(color=COLOURS.get(t, OTHER), label=t) for t in used]
+    handles += [Patch(facecolor="grey", label="kvplane"),
+                Patch(facecolor="grey", alpha=0.35, hatch="///", label="baseline"),
+                Patch(color="white", label="numbers over bars: kvplane's descriptors")]
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 1.0 - 0.25 / fig.get_figheight()))
+    fig.suptitle(title, fontsize=11, y=1.0 - 0.02 / fig.get_figheight() * 10)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return True
