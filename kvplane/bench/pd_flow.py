@@ -51,6 +51,7 @@ MODELS = ("qwen3-0.6b", "deepseek-v3")
 MODES: tuple[Mode, ...] = ("pull", "push", "layerwise")
 WAIT_S = 120.0
 REGISTER_S = 0.05
+POLL_S = 0.001
 
 
 @dataclass
@@ -107,7 +108,7 @@ def _wait_done(side: PrefillSide | DecodeSide, request_id: str) -> float:
                 return time.monotonic()
         if time.monotonic() > end:
             raise KvplaneError(f"bench request {request_id} not done within {WAIT_S} s")
-        time.sleep(0.0002)
+        time.sleep(POLL_S)  # gentle: a tight poll takes CPU from the engines on a small machine
 
 
 def _push_params(sides: _Sides, request_id: str) -> TransferParams:

@@ -49,7 +49,7 @@ def _desc(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
 
 
-def _bars(ax: Any, rows: list[BenchResult], *, timed: bool) -> None:
+def _bars(ax: Any, rows: list[BenchResult], *, timed: bool, kinds: bool = False) -> None:
     width = 0.38
     xs = range(len(rows))
     for x, r in zip(xs, rows):
@@ -62,7 +62,8 @@ def _bars(ax: Any, rows: list[BenchResult], *, timed: bool) -> None:
             ax.annotate(_desc(r.descriptors), (x - width / 2, ours), xytext=(0, 2), textcoords="offset points",
                         ha="center", va="bottom", fontsize=7, rotation=90)
     ax.set_xticks(list(xs))
-    ax.set_xticklabels([label(r).replace(" ", "\n") for r in rows], fontsize=7.5)
+    names = [(f"{r.kind} " if kinds else "") + label(r) for r in rows]
+    ax.set_xticklabels([n.replace(" ", "\n") for n in names], fontsize=7.5)
     ax.set_xlim(-0.6, len(rows) - 0.4)
     ax.margins(y=0.25)
     if timed:
@@ -91,15 +92,22 @@ def _sweep(ax: Any, rows: list[BenchResult]) -> None:
 def _ratios(ax: Any, rows: list[BenchResult]) -> None:
     ys = list(range(len(rows)))[::-1]
     for y, r in zip(ys, rows):
-        ax.barh(y, r.ratio, color=_colour(r), height=0.7)
+        ax.barh(y, r.ratio - 1.0, left=1.0, color=_colour(r), height=0.7)  # from the 1.0 line either way
+        right = r.ratio >= 1.0
+        ax.annotate(f"{r.ratio:.2f}", (r.ratio, y), xytext=(3 if right else -3, 0), textcoords="offset points",
+                    va="center", ha="left" if right else "right", fontsize=7)
+    ax.set_xscale("log")
     ax.axvline(1.0, color="black", lw=1.2, ls="--")
-    ax.text(1.0, len(rows) - 0.3, " 1.0 = baseline", fontsize=7, va="bottom")
+    ax.text(1.0, len(rows) - 0.4, " 1.0 = as fast as the baseline", fontsize=7, va="bottom")
     ax.set_yticks(ys)
-    ax.set_yticklabels([f"{r.kind} {label(r)}" for r in rows], fontsize=7)
-    ax.set_ylim(-0.7, len(rows) + 0.3)
-    ax.set_xlabel("kvplane / baseline (speed)")
-    ax.set_title("ratio", fontsize=10)
-    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_yticklabels([f"{r.kind} {label(r)}" for r in rows], fontsize=7.5)
+    ax.set_ylim(-0.7, len(rows) + 0.4)
+    low = min(0.5, min(r.ratio for r in rows) / 3)
+    high = max(2.0, max(r.ratio for r in rows) * 3)
+    ax.set_xlim(low, high)
+    ax.set_xlabel("kvplane speed / baseline speed (log)")
+    ax.set_title("ratio (higher is better)", fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3, which="major")
 
 
 def plot(results: list[BenchResult], path: str, title: str) -> bool:
@@ -124,24 +132,29 @@ def plot(results: list[BenchResult], path: str, title: str) -> bool:
     if sweep:
         panels.append(("sweep", sweep))
     widest = max(len(rows) for _, rows in panels)
-    fig = plt.figure(figsize=(max(12.0, 4.5 + 0.55 * widest), 1.2 + 3.0 * len(panels)))
-    grid = fig.add_gridspec(len(panels), 2, width_ratios=[3.2, 1.0], hspace=0.75, wspace=0.35)
+    ratio_rows = [r for r in results if r.ratio > 0 and r.kind != "overhead"]  # overhead is no speed ratio
+    height = max(2.6 * len(panels), 0.24 * len(ratio_rows)) + 1.0
+    fig = plt.figure(figsize=(max(13.0, 5.0 + 0.95 * widest), height))
+    top = 1.0 - 0.9 / height
+    grid = fig.add_gridspec(len(panels), 2, width_ratios=[3.0, 1.0], hspace=0.8, wspace=0.32, top=top,
+                            bottom=0.6 / height)
     for i, (kind, rows) in enumerate(panels):
         ax = fig.add_subplot(grid[i, 0])
         if kind == "sweep":
             _sweep(ax, rows)
         else:
-            _bars(ax, rows, timed=kind == "timed")
+            _bars(ax, rows, timed=kind == "timed", kinds=kind == "timed")
         ax.set_title(TITLES.get(kind, kind), fontsize=10, loc="left")
-    _ratios(fig.add_subplot(grid[:, 1]), [r for r in results if r.ratio > 0])
+    if ratio_rows:
+        _ratios(fig.add_subplot(grid[:, 1]), ratio_rows)
     used = sorted({r.transport for r in results}, key=lambda t: list(COLOURS).index(t) if t in COLOURS else 99)
     handles = [Patch(color=COLOURS.get(t, OTHER), label=t) for t in used]
     handles += [Patch(facecolor="grey", label="kvplane"),
                 Patch(facecolor="grey", alpha=0.35, hatch="///", label="baseline"),
                 Patch(color="white", label="numbers over bars: kvplane's descriptors")]
-    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8, frameon=False,
-               bbox_to_anchor=(0.5, 1.0 - 0.25 / fig.get_figheight()))
-    fig.suptitle(title, fontsize=11, y=1.0 - 0.02 / fig.get_figheight() * 10)
+    fig.suptitle(title, fontsize=12, y=1.0 - 0.1 / height, va="top")
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8.5, frameon=False,
+               bbox_to_anchor=(0.5, 1.0 - 0.38 / height))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)

@@ -39,7 +39,8 @@ def run(
         for i, scenario in enumerate(scenarios):
             if live:
                 out.write(f"\r\033[K[{i + 1}/{len(scenarios)}] {scenario.name}")
-            print(f"== {scenario.name}", flush=True)  # into the log, so engine lines have their scenario
+            # into the log, so engine lines have their scenario and each scenario its start time
+            print(f"== {scenario.name} at {time.monotonic() - start:.1f} s", flush=True)
             try:
                 results.append(scenario.run(backend, quick))
             except Exception as e:  # one broken scenario must not hide the others' numbers

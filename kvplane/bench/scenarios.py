@@ -18,7 +18,7 @@ from kvplane.errors import KvplaneError
 
 MODELS = ("qwen3-0.6b", "deepseek-v3")
 ENGINES = ("mooncake", "nixl")
-DEFAULT_PD_TOKENS = 2_000  # the default run's P/D rows; --full moves 10k tokens
+DEFAULT_PD_TOKENS = 1_000  # the default run's P/D rows (fixed costs dominate its time); --full: 10k
 
 # (name suffix, layouts by family): extra layouts measured beside the backend's own, e.g.
 # ("-xl", {"gqa": "<cross-layer gqa layout>", "mla": "<cross-layer mla layout>"})

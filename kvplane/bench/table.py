@@ -21,7 +21,7 @@ TITLES = {
     "plan": "plan: plan_transfer in ms; baseline bare numpy descriptor arithmetic",
 }
 SHORT = {"qwen3-0.6b": "qwen3", "deepseek-v3": "dsv3"}
-ROW = 27
+ROW = 29
 HEADER = (f"{'row':<{ROW}} {'MB':>5} {'ms med':>6} {'min':>6} {'base':>6} {'min':>6} "
           f"{'GB/s':>5} {'base':>5} {'ratio':>5} {'desc':>6} {'cpu ms':>6} {'ok':>3}")
 
