@@ -53,6 +53,10 @@ def _ms(seconds: float) -> str:
     return f"{ms:.2f}" if ms < 10 else f"{ms:.1f}" if ms < 1000 else f"{ms:.0f}"
 
 
+def _ratio(x: float) -> str:
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
 def _row(r: BenchResult) -> str:
     sp = r.spread
     timed_only = r.kind in ("plan", "overhead")
@@ -61,7 +65,7 @@ def _row(r: BenchResult) -> str:
     ok = "n/a" if r.kind == "overhead" else "yes" if r.verified else "NO"
     return (f"{label(r):<{ROW}} {r.bytes / 1e6:>5.0f} {_ms(sp.get('median_s', r.seconds)):>6} "
             f"{_ms(sp.get('min_s', r.seconds)):>6} {_ms(sp.get('baseline_median_s', 0.0)):>6} "
-            f"{_ms(sp.get('baseline_min_s', 0.0)):>6} {gbps:>5} {base_gbps:>5} {r.ratio:>5.2f} "
+            f"{_ms(sp.get('baseline_min_s', 0.0)):>6} {gbps:>5} {base_gbps:>5} {_ratio(r.ratio):>5} "
             f"{r.descriptors:>6} {r.cpu_seconds * 1e3:>6.1f} {ok:>3}")
 
 
