@@ -44,6 +44,11 @@ class _Buffers:
 _held: list[_Buffers] = []  # buffers of the last model, reused across block sizes and directions
 
 
+def release() -> None:
+    """Drop the held buffers (the runner calls it before another module's rows)."""
+    _held.clear()
+
+
 def _buffers(backend: Backend, model: str, tokens: int) -> _Buffers:
     import torch
 
@@ -164,4 +169,4 @@ def scenario(model: str, direction: str, block_tokens: int, layouts: LayoutChoic
         return run_local_copy(backend, model, direction, block_tokens, quick, layouts, name)
 
     params = {"model": model, "direction": direction, "block_tokens": block_tokens}
-    return Scenario(name, "offload", run, params)
+    return Scenario(name, "offload", run, params, release=release)

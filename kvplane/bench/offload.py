@@ -295,4 +295,4 @@ def scenario(model: str, direction: str, layouts: LayoutChoice | None = None, va
     def run(backend: Backend, quick: bool) -> BenchResult:
         return run_offload(backend, model, direction, quick, layouts, name)
 
-    return Scenario(name, "offload", run, {"model": model, "direction": direction})
+    return Scenario(name, "offload", run, {"model": model, "direction": direction}, release=_release)

@@ -43,7 +43,7 @@ def scenario(model: str, direction: str, layouts: LayoutChoice | None = None, va
     def run(backend: Backend, quick: bool) -> BenchResult:
         return run_overhead(backend, model, direction, quick, layouts, name)
 
-    return Scenario(name, "overhead", run, {"model": model, "direction": direction})
+    return Scenario(name, "overhead", run, {"model": model, "direction": direction}, release=_release)
 
 
 def run_overhead(

@@ -184,7 +184,8 @@ def scenario(
     def run(backend: Backend, quick: bool) -> BenchResult:
         return run_pd(backend, engine, model, op, quick, pattern, layouts, name)
 
-    return Scenario(name, "pd", run, {"engine": engine, "model": model, "op": op, "pattern": pattern})
+    params = {"engine": engine, "model": model, "op": op, "pattern": pattern}
+    return Scenario(name, "pd", run, params, release=close_all)
 
 
 atexit.register(close_all)  # peers are daemons anyway; this closes them politely first

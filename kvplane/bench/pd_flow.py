@@ -219,7 +219,7 @@ def scenario(
         return run_flow(backend, engine, model, mode, quick, pattern, layouts, name, tokens)
 
     params = {"engine": engine, "model": model, "mode": mode, "pattern": pattern}
-    return Scenario(name, "pd", run, params)
+    return Scenario(name, "pd", run, params, release=close_all)
 
 
 atexit.register(close_all)

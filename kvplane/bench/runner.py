@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import time
 import traceback
+from collections.abc import Callable
 from typing import TextIO
 
 from kvplane.backend.base import Backend
@@ -34,9 +35,13 @@ def run(
     results: list[BenchResult] = []
     failures: list[str] = []
     start = time.monotonic()
+    held: Callable[[], None] | None = None  # the release of the module whose buffers are held now
     with engine_output_to(log_path) as out:
         live = out.isatty()
         for i, scenario in enumerate(scenarios):
+            if held is not None and held is not scenario.release:
+                held()
+            held = scenario.release
             if live:
                 out.write(f"\r\033[K[{i + 1}/{len(scenarios)}] {scenario.name}")
             # into the log, so engine lines have their scenario and each scenario its start time
@@ -47,6 +52,8 @@ def run(
                 failures.append(f"{scenario.name}: {type(e).__name__}: {e}")
                 traceback.print_exc()
             gc.collect()
+        if held is not None:
+            held()
         if live:
             out.write("\r\033[K")
         out.flush()

@@ -17,3 +17,6 @@ class Scenario:
     kind: str  # offload | pd | store | plan | overhead
     run: Callable[[Backend, bool], BenchResult]  # (backend, quick) -> result
     params: dict[str, Any] = field(default_factory=dict)
+    # frees what the scenario's module keeps for the next row of its kind (buffers, peers, engines); the runner
+    # calls it before a row of another module runs, so a long run holds one module's memory at a time
+    release: Callable[[], None] | None = None

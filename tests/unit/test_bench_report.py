@@ -132,3 +132,25 @@ def test_the_terminal_stream_is_restored_after_an_error(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError), engine_output_to(str(tmp_path / "x.log")):
         raise RuntimeError("boom")
     assert os.fstat(1).st_ino == before
+
+
+def test_the_runner_releases_a_modules_buffers_before_another_modules_rows_and_at_the_end(tmp_path: Path) -> None:
+    events: list[str] = []
+
+    def release_a() -> None:
+        events.append("release a")
+
+    def release_b() -> None:
+        events.append("release b")
+
+    def row(name: str, release: object) -> Scenario:
+        def run(backend: object, quick: bool) -> BenchResult:
+            events.append(name)
+            return RESULTS[0]
+
+        return Scenario(name, "offload", run, release=release)  # type: ignore[arg-type]
+
+    rows = [row("a1", release_a), row("a2", release_a), row("b1", release_b), row("c1", None)]
+    runner.run(get_backend("cpu"), rows, quick=True, json_path=None, plot_path=None,
+               log_path=str(tmp_path / "b.log"), terminal=io.StringIO())
+    assert events == ["a1", "a2", "release a", "b1", "release b", "c1"]
