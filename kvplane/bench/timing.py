@@ -61,13 +61,19 @@ def interleave(
     *,
     warmup: int = 1,
     clock: Clock = time.process_time,
+    settle_s: float = 0.0,
 ) -> Samples:
-    """``reps`` alternating runs of ``kvplane`` and ``baseline`` after ``warmup`` untimed rounds."""
+    """``reps`` alternating runs of ``kvplane`` and ``baseline`` after ``warmup`` untimed rounds.
+
+    ``settle_s``: an untimed pause after each baseline run, for rows whose CPU figure must not include the
+    baseline's leftovers (torch's OpenMP threads spin for about 8 ms of CPU after a parallel ``copy_``).
+    """
     for _ in range(warmup):
         kvplane()
         baseline()
     s = Samples()
     for _ in range(max(reps, MIN_REPS)):
+        time.sleep(settle_s)
         wall, cpu = timed_cpu(kvplane, clock)
         s.ours.append(wall)
         s.cpu.append(cpu)
