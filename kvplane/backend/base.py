@@ -141,6 +141,33 @@ class Backend(ABC):
         if len(plan):
             self._execute(plan, stream, direction=direction)
 
+    def execute_parts(
+        self, plan: CopyPlan, bounds: Sequence[int], stream: Stream, *, direction: Direction | None = None
+    ) -> list[Event]:
+        """Enqueue descriptors ``[bounds[i], bounds[i + 1])`` of ``plan`` in order (one part per layer, bounds
+        increasing), each followed by an event; returns the events. A backend may run all parts as one task
+        (the cpu backend does)."""
+        self._check_parts(plan, bounds, direction)
+        events = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                self._execute(CopyPlan(plan.src[a:b], plan.dst[a:b], plan.length[a:b]), stream, direction=direction)
+            event = self.new_event()
+            event.record(stream)
+            events.append(event)
+        return events
+
+    def _check_parts(self, plan: CopyPlan, bounds: Sequence[int], direction: Direction | None) -> None:
+        if not isinstance(plan, CopyPlan):
+            raise PlanError(f"execute_parts() takes a CopyPlan, got {type(plan).__name__}")
+        if direction is not None and direction not in DIRECTIONS:
+            raise PlanError(f"execute_parts(direction={direction!r}) is not a direction; use one of {DIRECTIONS}")
+        if len(bounds) and (bounds[0] < 0 or bounds[-1] > len(plan)):
+            raise PlanError(
+                f"execute_parts bounds run {bounds[0]}..{bounds[-1]}, the plan has {len(plan)} descriptors; "
+                f"pass increasing bounds within 0..len(plan)"
+            )
+
     @abstractmethod
     def _execute(self, plan: CopyPlan, stream: Stream | None, *, direction: Direction | None = None) -> None: ...
 

@@ -16,10 +16,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.backend.base import Backend, Direction
-from kvplane.bench.models import MODELS, model_spec
+from kvplane.bench.models import model_spec
 from kvplane.bench.results import BenchResult, make_result
-from kvplane.bench.scenarios import Scenario, register
-from kvplane.bench.timing import alternate
+from kvplane.bench.scenario import Scenario
+from kvplane.bench.timing import interleave
 from kvplane.kv.binding import LayoutChoice, allocate_cache, regions_from_tensors, slot_tensors
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 BLOCK_TOKENS = (16, 32, 64, 128)
 TOKENS, QUICK_TOKENS = 10_000, 2_000
-REPS, QUICK_REPS = 3, 2
 
 
 @dataclass
@@ -43,6 +42,11 @@ class _Buffers:
 
 
 _held: list[_Buffers] = []  # buffers of the last model, reused across block sizes and directions
+
+
+def release() -> None:
+    """Drop the held buffers (the runner calls it before another module's rows)."""
+    _held.clear()
 
 
 def _buffers(backend: Backend, model: str, tokens: int) -> _Buffers:
@@ -71,10 +75,13 @@ def _prefix_of(buf: torch.Tensor) -> Callable[[int], torch.Tensor]:
     return lambda n: buf[:n]
 
 
-def run_local_copy(backend: Backend, model: str, direction: str, block_tokens: int, quick: bool) -> BenchResult:
+def run_local_copy(
+    backend: Backend, model: str, direction: str, block_tokens: int, quick: bool,
+    layouts: LayoutChoice | None = None, name: str | None = None,
+) -> BenchResult:
     tokens = QUICK_TOKENS if quick else TOKENS
     spec = model_spec(model, block_tokens)
-    layouts = backend.layouts
+    layouts = backend.layouts if layouts is None else layouts
     bufs = _buffers(backend, model, tokens)
     blocks = -(-tokens // block_tokens)
     total_blocks = 2 * blocks
@@ -109,17 +116,17 @@ def run_local_copy(backend: Backend, model: str, direction: str, block_tokens: i
         dst_flat[:nbytes].copy_(src_flat[:nbytes])
         backend.synchronize()
 
-    seconds, baseline_seconds = alternate(ours, raw, QUICK_REPS if quick else REPS)
+    samples = interleave(ours, raw)
     return make_result(
-        scenario=f"copy-{model}-{direction}-bs{block_tokens}",
+        scenario=name or f"copy-{model}-{direction}-bs{block_tokens}",
         kind="offload",
         backend=backend.label,
         transport="local",
         nbytes=nbytes,
-        seconds=seconds,
+        samples=samples,
         baseline="contiguous copy_",
-        baseline_seconds=baseline_seconds,
         verified=verified,
+        descriptors=len(plan),
         params={
             "model": model,
             "direction": direction,
@@ -152,15 +159,14 @@ def same_blocks(
     return True
 
 
-def _scenario(model: str, direction: str, block_tokens: int) -> Scenario:
+def scenario(model: str, direction: str, block_tokens: int, layouts: LayoutChoice | None = None,
+             variant: str = "") -> Scenario:
+    """A block copy plan of ``model``'s KV in ``block_tokens``-token blocks; ``layouts`` (default: the
+    backend's) and a name ``variant`` let a list add the same row over another layout."""
+    name = f"copy-{model}-{direction}-bs{block_tokens}{variant}"
+
     def run(backend: Backend, quick: bool) -> BenchResult:
-        return run_local_copy(backend, model, direction, block_tokens, quick)
+        return run_local_copy(backend, model, direction, block_tokens, quick, layouts, name)
 
     params = {"model": model, "direction": direction, "block_tokens": block_tokens}
-    return Scenario(f"copy-{model}-{direction}-bs{block_tokens}", "offload", run, params)
-
-
-for _model in MODELS:
-    for _direction in ("d2h", "h2d"):
-        for _bt in BLOCK_TOKENS:
-            register(_scenario(_model, _direction, _bt))
+    return Scenario(name, "offload", run, params, release=release)

@@ -29,13 +29,13 @@ import numpy.typing as npt
 
 from kvplane.backend.base import Backend
 from kvplane.bench.local_copy import same_blocks
-from kvplane.bench.models import MODELS, model_spec
+from kvplane.bench.models import model_spec
 from kvplane.bench.results import BenchResult, make_result
-from kvplane.bench.scenarios import Scenario, register
-from kvplane.bench.timing import alternate, timed
+from kvplane.bench.scenario import Scenario
+from kvplane.bench.timing import MIN_REPS, interleave, timed
 from kvplane.blocks import block_hashes
 from kvplane.flows.offload import OffloadConfig, OffloadEngine, StoreConfig
-from kvplane.kv.binding import allocate_cache, slot_tensors
+from kvplane.kv.binding import LayoutChoice, allocate_cache, slot_tensors
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 BLOCK_TOKENS = 16
 TOKENS, QUICK_TOKENS = 10_000, 2_000
-REPS, QUICK_REPS = 5, 2
+GROUP = 0
 
 
 @dataclass
@@ -61,27 +61,43 @@ class OffloadRig:
     flat_device: torch.Tensor
     flat_host: torch.Tensor
     prefixes: Iterator[list[int]]  # a fresh prefix for every store
+    layouts: LayoutChoice
 
     def close(self) -> None:
         self.engine.close()
 
+    def descriptors(self, hashes: list[int], direction: str) -> int:
+        """Copy descriptors the engine hands its backend for one store or load of ``hashes`` (held on host)."""
+        host_ids = self.engine.index.blocks_of(GROUP, hashes)
+        layers = self.spec.layer_names
+        copier = self.engine.copier
+        if direction == "store":
+            plans = copier.save_plans(layers, self.src_ids, host_ids)
+        else:
+            plans = copier.load_plans(layers, host_ids, self.dst_ids)
+        return sum(len(p) for p in plans.values())
+
 
 def build_rig(
-    backend: Backend, model: str, tokens: int, host_blocks_factor: int = 1, store: StoreConfig | None = None
+    backend: Backend, model: str, tokens: int, host_blocks_factor: int = 1, store: StoreConfig | None = None,
+    layouts: LayoutChoice | None = None, fill: bool = True,
 ) -> OffloadRig:
     import torch
 
+    layouts = backend.layouts if layouts is None else layouts
     spec = model_spec(model, BLOCK_TOKENS)
     blocks = -(-tokens // BLOCK_TOKENS)
     total = 2 * blocks
     per_block = spec.bytes_per_token * BLOCK_TOKENS
     device = backend.alloc_device(total * per_block)
-    # distinct int64 words everywhere, so a misplaced block cannot compare equal
-    words = device.view(torch.int64)
-    torch.arange(words.numel(), dtype=torch.int64, out=words)
-    words.mul_(0x9E3779B1)
-    cache = allocate_cache(spec, backend.layouts, total, alloc=lambda n: device[:n], zero=False)
-    engine = OffloadEngine(backend, spec, cache, OffloadConfig(host_blocks_factor * blocks * per_block, store))
+    if fill:  # distinct int64 words everywhere, so a misplaced block cannot compare equal
+        words = device.view(torch.int64)
+        torch.arange(words.numel(), dtype=torch.int64, out=words)
+        words.mul_(0x9E3779B1)
+    cache = allocate_cache(spec, layouts, total, alloc=lambda n: device[:n], zero=False)
+    engine = OffloadEngine(
+        backend, spec, cache, OffloadConfig(host_blocks_factor * blocks * per_block, store), layouts=layouts
+    )
     order = np.random.default_rng(tokens).permutation(total).astype(np.int64)
     nbytes = blocks * per_block
     flat_device, flat_host = backend.alloc_device(nbytes), backend.alloc_host(nbytes)
@@ -91,7 +107,9 @@ def build_rig(
     prefixes = (block_hashes(token_ids, BLOCK_TOKENS, parent=seed) for seed in itertools.count(1))
     backend.synchronize()
     settle_gc()
-    return OffloadRig(spec, cache, engine, order[:blocks], order[blocks:], nbytes, flat_device, flat_host, prefixes)
+    return OffloadRig(
+        spec, cache, engine, order[:blocks], order[blocks:], nbytes, flat_device, flat_host, prefixes, layouts
+    )
 
 
 def settle_gc() -> None:
@@ -152,7 +170,7 @@ def _zero_dst(rig: OffloadRig) -> None:
     import torch
 
     ids = torch.from_numpy(rig.dst_ids)
-    for slot in slot_tensors(rig.spec, rig.cache, rig.engine.backend.layouts):
+    for slot in slot_tensors(rig.spec, rig.cache, rig.layouts):
         slot.tensor.index_fill_(0, ids.to(slot.tensor.device), 0)
     rig.engine.backend.synchronize()
 
@@ -163,18 +181,18 @@ def _verify(rig: OffloadRig, hashes: list[int], new_id: Callable[[], str]) -> bo
     tokens = load_once(rig, new_id(), hashes)
     if tokens != len(hashes) * BLOCK_TOKENS:
         return False
-    return same_blocks(rig.spec, rig.cache, rig.src_ids, rig.cache, rig.dst_ids, rig.engine.backend.layouts)
+    return same_blocks(rig.spec, rig.cache, rig.src_ids, rig.cache, rig.dst_ids, rig.layouts)
 
 
-_held: list[tuple[tuple[str, str, int], OffloadRig]] = []  # the last model's rig: store and load share it
+_held: list[tuple[tuple[object, ...], OffloadRig]] = []  # the last model's rig: store and load share it
 
 
-def _rig(backend: Backend, model: str, tokens: int) -> OffloadRig:
-    key = (backend.label, model, tokens)
+def _rig(backend: Backend, model: str, tokens: int, layouts: LayoutChoice | None, fill: bool = True) -> OffloadRig:
+    key = (backend.label, model, tokens, repr(layouts), fill, id(backend))
     if _held and _held[0][0] == key:
         return _held[0][1]
     _release()
-    rig = build_rig(backend, model, tokens)
+    rig = build_rig(backend, model, tokens, layouts=layouts, fill=fill)
     _held.append((key, rig))
     return rig
 
@@ -184,21 +202,27 @@ def _release() -> None:
         _held.pop()[1].close()
 
 
-def run_offload(backend: Backend, model: str, direction: str, quick: bool) -> BenchResult:
-    tokens = QUICK_TOKENS if quick else TOKENS
-    reps = QUICK_REPS if quick else REPS
-    rig = _rig(backend, model, tokens)
-    new_id = _Ids(f"bench-{model}-{direction}")
-    params: dict[str, object] = {
+def _params(backend: Backend, rig: OffloadRig, model: str, direction: str, tokens: int) -> dict[str, object]:
+    return {
         "model": model, "direction": direction, "block_tokens": BLOCK_TOKENS, "tokens": tokens,
         "blocks": len(rig.src_ids), "layers": len(rig.spec.layer_names), "torch_device": str(backend.device()),
     }
+
+
+def run_offload(
+    backend: Backend, model: str, direction: str, quick: bool, layouts: LayoutChoice | None = None,
+    name: str | None = None,
+) -> BenchResult:
+    tokens = QUICK_TOKENS if quick else TOKENS
+    rig = _rig(backend, model, tokens, layouts)
+    new_id = _Ids(f"bench-{model}-{direction}")
+    params = _params(backend, rig, model, direction, tokens)
+    hashes = next(rig.prefixes)
     if direction == "store":
-        hashes = next(rig.prefixes)
         copied = store_once(rig, new_id(), hashes)
         verified = copied == len(rig.src_ids) and _verify(rig, hashes, new_id)
 
-        fresh = iter([next(rig.prefixes) for _ in range(reps + 1)])  # hashed before timing: not kvplane's cost
+        fresh = iter([next(rig.prefixes) for _ in range(2 * MIN_REPS)])  # hashed before timing: not kvplane's
 
         def ours() -> None:
             store_once(rig, new_id(), next(fresh))
@@ -207,7 +231,6 @@ def run_offload(backend: Backend, model: str, direction: str, quick: bool) -> Be
             rig.flat_host.copy_(rig.flat_device)
             backend.synchronize()
     else:
-        hashes = next(rig.prefixes)
         store_once(rig, new_id(), hashes)
         verified = _verify(rig, hashes, new_id)
 
@@ -218,27 +241,28 @@ def run_offload(backend: Backend, model: str, direction: str, quick: bool) -> Be
             rig.flat_device.copy_(rig.flat_host)
             backend.synchronize()
 
-    seconds, baseline_seconds = alternate(ours, raw, reps)
+    descriptors = rig.descriptors(hashes, direction)
+    samples = interleave(ours, raw)
     if direction == "load":
-        params.update(overlap(rig, hashes, seconds, reps, new_id))
-        # the bench table prints "note" (a column on main's runner)
-        params["note"] = f"hidden {params['overlap_hidden']:.2f} (at most {params['overlap_best']:.2f})"
+        params.update(overlap(rig, hashes, samples.median, new_id))
+        params["note"] = (f"load hidden behind layer compute: {params['overlap_hidden']:.2f} "
+                          f"(at most {params['overlap_best']:.2f})")
         _release()  # load runs after store for each model: the buffers go before the next scenario
     return make_result(
-        scenario=f"offload-{model}-{direction}",
+        scenario=name or f"offload-{model}-{direction}",
         kind="offload",
         backend=backend.label,
         transport="local",
         nbytes=rig.nbytes,
-        seconds=seconds,
+        samples=samples,
         baseline="contiguous copy_",
-        baseline_seconds=baseline_seconds,
         verified=verified,
+        descriptors=descriptors,
         params=params,
     )
 
 
-def overlap(rig: OffloadRig, hashes: list[int], load_s: float, reps: int, new_id: Callable[[], str]) -> dict[str, float]:
+def overlap(rig: OffloadRig, hashes: list[int], load_s: float, new_id: Callable[[], str]) -> dict[str, float]:
     """How much of the load a layer-wise forward hides behind a per-layer compute of ``load_s / layers``."""
     compute_s = load_s / len(rig.spec.layer_names)
 
@@ -249,7 +273,7 @@ def overlap(rig: OffloadRig, hashes: list[int], load_s: float, reps: int, new_id
         load_then_compute(rig, new_id(), hashes, compute_s)
 
     layerwise, serial = [], []
-    for _ in range(reps):
+    for _ in range(MIN_REPS):
         layerwise.append(timed(layer_by_layer))
         serial.append(timed(load_first))
     lw, se = statistics.median(layerwise), statistics.median(serial)
@@ -263,13 +287,12 @@ def overlap(rig: OffloadRig, hashes: list[int], load_s: float, reps: int, new_id
     }
 
 
-def _scenario(model: str, direction: str) -> Scenario:
+def scenario(model: str, direction: str, layouts: LayoutChoice | None = None, variant: str = "") -> Scenario:
+    """One request's store or load through ``OffloadEngine``; ``layouts`` (default: the backend's) and a name
+    ``variant`` let a list add the same row over another layout (cross-layer blocks)."""
+    name = f"offload-{model}-{direction}{variant}"
+
     def run(backend: Backend, quick: bool) -> BenchResult:
-        return run_offload(backend, model, direction, quick)
+        return run_offload(backend, model, direction, quick, layouts, name)
 
-    return Scenario(f"offload-{model}-{direction}", "offload", run, {"model": model, "direction": direction})
-
-
-for _model in MODELS:
-    for _direction in ("store", "load"):
-        register(_scenario(_model, _direction))
+    return Scenario(name, "offload", run, {"model": model, "direction": direction}, release=_release)

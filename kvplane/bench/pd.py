@@ -1,32 +1,36 @@
 """P/D transfer scenarios (kind ``pd``): a peer process on 127.0.0.1 holds one instance's KV cache; this process
-READs scattered 16-token blocks from it or WRITEs them into it through kvplane (planner + transport), and through
-the raw engine's own batch calls on the same descriptors in the same run.
+READs 16-token blocks from it or WRITEs them into it through kvplane (planner + transport), and through the raw
+engine's own batch calls in the same run, one descriptor per block and layer slot (vLLM's per-layer blocks).
 
-``ratio`` is kvplane over raw. Bytes are verified once, right after kvplane's first transfer (before the raw
-engine touches the same blocks), by comparing block digests on both sides.
+Block ids are ``scatter`` (random) or ``runs`` (mostly consecutive, as a fresh request's are; the planner
+coalesces them, the raw baseline does not). ``ratio`` is kvplane over raw. Bytes are verified once, right after
+kvplane's first transfer (before the raw engine touches the same blocks), by comparing block digests.
 """
 
 from __future__ import annotations
 
 import atexit
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvplane.backend.base import Backend
+from kvplane.bench.block_ids import Pattern, per_block_plan, request_ids
 from kvplane.bench.models import model_spec
 from kvplane.bench.peer import CacheConfig, KVBuffer, PeerConfig, PeerProcess
 from kvplane.bench.results import BenchResult, make_result
-from kvplane.bench.scenarios import Scenario, register
-from kvplane.bench.timing import alternate
+from kvplane.bench.scenario import Scenario
+from kvplane.bench.timing import interleave
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransferFailed, TransferTimeout
 from kvplane.plan.planner import plan_transfer
 from kvplane.transports.base import Op, Transport, TransportConfig
 from kvplane.transports.registry import get_transport_class
 
+LayoutNames = str | Mapping[str, str]  # one layout name, or one per family (the peer takes names)
 BLOCK_TOKENS = 16
 TOKENS, QUICK_TOKENS = 10_000, 2_000
 ENGINES = ("mooncake", "nixl")
@@ -35,7 +39,7 @@ MODELS = ("qwen3-0.6b", "deepseek-v3")
 
 @dataclass
 class _Pair:
-    key: tuple[str, str, int, str]
+    key: tuple[str, str, int, str, str]
     peer: PeerProcess
     local: KVBuffer
     transport: Transport
@@ -49,14 +53,15 @@ class _Pair:
 _held: list[_Pair] = []  # one peer at a time, shared by the READ and WRITE scenarios of an engine and model
 
 
-def _pair(backend: Backend, engine: str, model: str, tokens: int) -> _Pair:
-    key = (backend.label, engine, tokens, model)
+def _pair(backend: Backend, engine: str, model: str, tokens: int, layouts: LayoutNames | None) -> _Pair:
+    key = (backend.label, engine, tokens, model, repr(layouts))
     if _held and _held[0].key == key:
         return _held[0]
     while _held:
         _held.pop().close()
     spec = model_spec(model, BLOCK_TOKENS)
-    layout = backend.layouts[spec.layers[0].family]
+    family = spec.layers[0].family
+    layout = backend.layouts[family] if layouts is None else layouts if isinstance(layouts, str) else layouts[family]
     num_blocks = 2 * -(-tokens // BLOCK_TOKENS)
     peer = PeerProcess(
         PeerConfig((CacheConfig(spec, layout, num_blocks, seed=1, engine_id="prefill"),), engine)
@@ -112,67 +117,75 @@ def raw_move(transport: Transport, peer: str, op: Op, plan: CopyPlan) -> None:
         agent.release_xfer_handle(handle)
 
 
-def run_pd(backend: Backend, engine: str, model: str, op: Op, quick: bool) -> BenchResult:
+def run_pd(
+    backend: Backend, engine: str, model: str, op: Op, quick: bool, pattern: Pattern = "scatter",
+    layouts: LayoutNames | None = None, name: str | None = None,
+) -> BenchResult:
     tokens = QUICK_TOKENS if quick else TOKENS
-    pair = _pair(backend, engine, model, tokens)
+    pair = _pair(backend, engine, model, tokens, layouts)
     blocks = -(-tokens // BLOCK_TOKENS)
     rng = np.random.default_rng(7 if op == "READ" else 8)
-    remote_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
-    local_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
+    remote_ids = request_ids(pattern, 2 * blocks, blocks, rng)
+    local_ids = request_ids(pattern, 2 * blocks, blocks, rng)
     remote_manifest = pair.peer.manifests[0]
     local_manifest = pair.local.manifest("decode", 0, 1, backend.torch_device_type)
     start = time.perf_counter()
     if op == "READ":
         tp = plan_transfer(remote_manifest, local_manifest, {0: remote_ids}, {0: local_ids}, {0: tokens})
+        raw_plan = per_block_plan(remote_manifest.regions, remote_ids, local_manifest.regions, local_ids)
     else:
         tp = plan_transfer(local_manifest, remote_manifest, {0: local_ids}, {0: remote_ids}, {0: tokens})
+        raw_plan = per_block_plan(local_manifest.regions, local_ids, remote_manifest.regions, remote_ids)
     plan_s = time.perf_counter() - start
 
     def ours() -> None:
         pair.transport.transfer(pair.handle, op, tp.plan)
 
     def raw() -> None:
-        raw_move(pair.transport, pair.handle, op, tp.plan)
+        raw_move(pair.transport, pair.handle, op, raw_plan)
 
     if op == "WRITE":
         pair.peer.call("zero")
     ours()
     verified = pair.local.digest(local_ids) == pair.peer.call("digest", block_ids=remote_ids.tolist())
-    seconds, baseline_seconds = alternate(ours, raw, 1 if quick else 2, warmup=0)
+    samples = interleave(ours, raw, warmup=0)
     return make_result(
-        scenario=f"pd-{engine}-{model}-{op.lower()}",
+        scenario=name or f"pd-{engine}-{model}-{op.lower()}" + ("" if pattern == "scatter" else f"-{pattern}"),
         kind="pd",
         backend=backend.label,
         transport=engine,
         nbytes=tp.plan.total_bytes,
-        seconds=seconds,
+        samples=samples,
         baseline=f"raw {engine} batch calls",
-        baseline_seconds=baseline_seconds,
         verified=verified,
+        descriptors=len(tp.plan),
         params={
             "model": model,
             "op": op,
+            "mode": op.lower(),
+            "blocks_pattern": pattern,
             "tokens": tokens,
             "block_tokens": BLOCK_TOKENS,
-            "descriptors": len(tp.plan),
+            "baseline_descriptors": len(raw_plan),
             "plan_ms": round(plan_s * 1e3, 3),
+            "sides": "two processes on 127.0.0.1",
         },
     )
 
 
-def _scenario(engine: str, model: str, op: Op) -> Scenario:
-    def run(backend: Backend, quick: bool) -> BenchResult:
-        return run_pd(backend, engine, model, op, quick)
+def scenario(
+    engine: str, model: str, op: Op, pattern: Pattern = "scatter", layouts: LayoutNames | None = None,
+    variant: str = "",
+) -> Scenario:
+    """kvplane's transport moving one request between processes; ``layouts`` (default: the backend's) and a
+    name ``variant`` let a list add the same row over another layout (cross-layer blocks)."""
+    name = f"pd-{engine}-{model}-{op.lower()}" + ("" if pattern == "scatter" else f"-{pattern}") + variant
 
-    return Scenario(
-        f"pd-{engine}-{model}-{op.lower()}", "pd", run, {"engine": engine, "model": model, "op": op}
-    )
+    def run(backend: Backend, quick: bool) -> BenchResult:
+        return run_pd(backend, engine, model, op, quick, pattern, layouts, name)
+
+    params = {"engine": engine, "model": model, "op": op, "pattern": pattern}
+    return Scenario(name, "pd", run, params, release=close_all)
 
 
 atexit.register(close_all)  # peers are daemons anyway; this closes them politely first
-
-_OPS: tuple[Op, ...] = ("READ", "WRITE")
-for _engine in ENGINES:
-    for _model in MODELS:
-        for _op in _OPS:
-            register(_scenario(_engine, _model, _op))

@@ -7,6 +7,9 @@ decode* (``get_finished`` reports the request done): side channel, planning, tra
 included. The baseline is the raw engine moving the same blocks (the plan's descriptors through its own batch
 calls) in the same run, so ``ratio`` is what the flow costs over bare bytes on the wire.
 
+Block ids are ``scatter`` (random) or ``runs`` (mostly consecutive, as a fresh request's are); the baseline
+moves one descriptor per block and layer slot either way, as a raw engine does with vLLM's per-layer blocks.
+
 Layer-wise push runs the prefill as ``PREFILL_COMPUTE_S`` of simulated compute split evenly over the layers
 (seed 001's local prefill of 10k tokens took 470 ms), saving each layer as it ends. In the same run a whole-request
 push of the same blocks is timed; ``hidden`` is the share of that push's time that no longer shows after prefill
@@ -26,13 +29,16 @@ from typing import Any, Literal
 import numpy as np
 
 from kvplane.backend.base import Backend
+from kvplane.bench.block_ids import Pattern, per_block_plan, request_ids
 from kvplane.bench.models import model_spec
 from kvplane.bench.pd import raw_move
 from kvplane.bench.peer import KVBuffer
 from kvplane.bench.results import BenchResult, make_result
-from kvplane.bench.scenarios import Scenario, register
+from kvplane.bench.scenario import Scenario
+from kvplane.bench.timing import MIN_REPS, Samples, timed_cpu
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide, TransferParams
+from kvplane.kv.binding import LayoutChoice
 from kvplane.plan.planner import plan_transfer
 from kvplane.transports.base import Op, Transport
 
@@ -44,11 +50,13 @@ ENGINES = ("mooncake", "nixl")
 MODELS = ("qwen3-0.6b", "deepseek-v3")
 MODES: tuple[Mode, ...] = ("pull", "push", "layerwise")
 WAIT_S = 120.0
+REGISTER_S = 0.05
+POLL_S = 0.001
 
 
 @dataclass
 class _Sides:
-    key: tuple[str, str, str, int]
+    key: tuple[str, str, str, int, str]
     prefill: PrefillSide
     decode: DecodeSide
     p_kv: KVBuffer
@@ -62,13 +70,13 @@ class _Sides:
 _held: list[_Sides] = []  # one pair at a time, shared by the three modes of an engine and model
 
 
-def _sides(backend: Backend, engine: str, model: str, tokens: int) -> _Sides:
-    key = (backend.label, engine, model, tokens)
+def _sides(backend: Backend, engine: str, model: str, tokens: int, layouts: LayoutChoice | None) -> _Sides:
+    key = (backend.label, engine, model, tokens, repr(layouts))
     if _held and _held[0].key == key:
         return _held[0]
     close_all()
     spec = model_spec(model, BLOCK_TOKENS)
-    layout = backend.layouts[spec.layers[0].family]
+    layout = backend.layouts[spec.layers[0].family] if layouts is None else layouts
     num_blocks = 2 * -(-tokens // BLOCK_TOKENS)
     p_kv = KVBuffer(spec, layout, num_blocks, backend.alloc_device)
     d_kv = KVBuffer(spec, layout, num_blocks, backend.alloc_device)
@@ -100,7 +108,7 @@ def _wait_done(side: PrefillSide | DecodeSide, request_id: str) -> float:
                 return time.monotonic()
         if time.monotonic() > end:
             raise KvplaneError(f"bench request {request_id} not done within {WAIT_S} s")
-        time.sleep(0.0002)
+        time.sleep(POLL_S)  # gentle: a tight poll takes CPU from the engines on a small machine
 
 
 def _push_params(sides: _Sides, request_id: str) -> TransferParams:
@@ -122,7 +130,7 @@ def _one(sides: _Sides, mode: Mode, p_ids: np.ndarray, d_ids: np.ndarray, tokens
         decode.start_pull(rid, params, {0: d_ids}, tokens)
     else:
         decode.register_push(rid, _push_params(sides, rid), {0: d_ids}, tokens)
-        time.sleep(0.2)  # decode registers while the prefill computes: let the registration land first
+        time.sleep(REGISTER_S)  # decode registers while the prefill computes: let the registration land first
         if mode == "layerwise":
             prefill.start_request(rid, {0: p_ids}, tokens)
             per_layer = compute_s / len(sides.p_kv.spec.layers)
@@ -136,13 +144,16 @@ def _one(sides: _Sides, mode: Mode, p_ids: np.ndarray, d_ids: np.ndarray, tokens
     return ready - done
 
 
-def run_flow(backend: Backend, engine: str, model: str, mode: Mode, quick: bool) -> BenchResult:
-    tokens = QUICK_TOKENS if quick else TOKENS
-    sides = _sides(backend, engine, model, tokens)
+def run_flow(
+    backend: Backend, engine: str, model: str, mode: Mode, quick: bool, pattern: Pattern = "scatter",
+    layouts: LayoutChoice | None = None, name: str | None = None, tokens: int | None = None,
+) -> BenchResult:
+    tokens = tokens if tokens is not None else QUICK_TOKENS if quick else TOKENS
+    sides = _sides(backend, engine, model, tokens, layouts)
     blocks = -(-tokens // BLOCK_TOKENS)
     rng = np.random.default_rng({"pull": 11, "push": 12, "layerwise": 13}[mode])
-    p_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
-    d_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
+    p_ids = request_ids(pattern, 2 * blocks, blocks, rng)
+    d_ids = request_ids(pattern, 2 * blocks, blocks, rng)
     compute_s = PREFILL_COMPUTE_S * tokens / TOKENS
 
     sides.d_kv.buffer.zero_()
@@ -155,20 +166,24 @@ def run_flow(backend: Backend, engine: str, model: str, mode: Mode, quick: bool)
     handle = mover.connect(other.transport.peer_info())
     p_man, d_man = sides.prefill.local.manifest, sides.decode.local.manifest
     plan = plan_transfer(p_man, d_man, {0: p_ids}, {0: d_ids}, {0: tokens}).plan
+    raw_plan = per_block_plan(p_man.regions, p_ids, d_man.regions, d_ids)
 
-    reps = 2
-    ours, raw, pushes = [], [], []
-    for _ in range(reps):
-        ours.append(_one(sides, mode, p_ids, d_ids, tokens, compute_s))
+    samples, pushes = Samples(), []
+    for _ in range(MIN_REPS):
+        # wall: prefill done -> KV ready; CPU: the whole request in this process (both sides' threads)
+        ready: list[float] = []
+        _, cpu = timed_cpu(lambda: ready.append(_one(sides, mode, p_ids, d_ids, tokens, compute_s)))  # noqa: B023
+        samples.ours.append(ready[0])
+        samples.cpu.append(cpu)
         start = time.perf_counter()
-        raw_move(mover, handle, op, plan)
-        raw.append(time.perf_counter() - start)
+        raw_move(mover, handle, op, raw_plan)
+        samples.baseline.append(time.perf_counter() - start)
         if mode == "layerwise":
             pushes.append(_one(sides, "push", p_ids, d_ids, tokens, compute_s))
-    seconds, baseline_seconds = statistics.median(ours), statistics.median(raw)
+    seconds, baseline_seconds = samples.median, samples.baseline_median
     params: dict[str, Any] = {
-        "model": model, "mode": mode, "tokens": tokens, "block_tokens": BLOCK_TOKENS,
-        "descriptors": len(plan), "first_request_ms": round(first * 1e3, 1),
+        "model": model, "mode": mode, "blocks_pattern": pattern, "tokens": tokens, "block_tokens": BLOCK_TOKENS,
+        "baseline_descriptors": len(raw_plan), "first_request_ms": round(first * 1e3, 1),
         "prefill_done_to_kv_ready_ms": round(seconds * 1e3, 1), "raw_ms": round(baseline_seconds * 1e3, 1),
         "sides": "one process, two transport engines on 127.0.0.1",
     }
@@ -179,24 +194,32 @@ def run_flow(backend: Backend, engine: str, model: str, mode: Mode, quick: bool)
             "hidden": round(min(1.0, max(0.0, 1 - seconds / push_s)), 3),
             "compute_over_push": round(compute_s / push_s, 3),
         })
-        params["note"] = f"{seconds * 1e3:.0f} ms after prefill, push {push_s * 1e3:.0f} ms: hidden {params['hidden']:.2f}"
+        params["note"] = (f"{seconds * 1e3:.0f} ms after prefill vs {push_s * 1e3:.0f} ms for a whole push: "
+                          f"hidden {params['hidden']:.2f}")
     return make_result(
-        scenario=f"pd-flow-{engine}-{model}-{mode}", kind="pd", backend=backend.label, transport=engine,
-        nbytes=plan.total_bytes, seconds=seconds, baseline=f"raw {engine} {op}", baseline_seconds=baseline_seconds,
-        verified=verified, params=params,
+        scenario=name or _name(engine, model, mode, pattern), kind="pd", backend=backend.label, transport=engine,
+        nbytes=plan.total_bytes, samples=samples, baseline=f"raw {engine} {op}", verified=verified,
+        descriptors=len(plan), params=params,
     )
 
 
-def _scenario(engine: str, model: str, mode: Mode) -> Scenario:
-    def run(backend: Backend, quick: bool) -> BenchResult:
-        return run_flow(backend, engine, model, mode, quick)
+def _name(engine: str, model: str, mode: Mode, pattern: Pattern) -> str:
+    return f"pd-flow-{engine}-{model}-{mode}" + ("" if pattern == "scatter" else f"-{pattern}")
 
-    return Scenario(f"pd-flow-{engine}-{model}-{mode}", "pd", run, {"engine": engine, "model": model, "mode": mode})
+
+def scenario(
+    engine: str, model: str, mode: Mode, pattern: Pattern = "scatter", layouts: LayoutChoice | None = None,
+    variant: str = "", tokens: int | None = None,
+) -> Scenario:
+    """One request through the disaggregation flow; ``layouts`` (default: the backend's) and a name ``variant``
+    let a list add the same row over another layout (cross-layer blocks); ``tokens`` overrides the size."""
+    name = _name(engine, model, mode, pattern) + variant
+
+    def run(backend: Backend, quick: bool) -> BenchResult:
+        return run_flow(backend, engine, model, mode, quick, pattern, layouts, name, tokens)
+
+    params = {"engine": engine, "model": model, "mode": mode, "pattern": pattern}
+    return Scenario(name, "pd", run, params, release=close_all)
 
 
 atexit.register(close_all)
-
-for _engine in ENGINES:
-    for _model in MODELS:
-        for _mode in MODES:
-            register(_scenario(_engine, _model, _mode))

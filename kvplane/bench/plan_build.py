@@ -2,18 +2,21 @@
 
 The baseline is the bare arithmetic of the same descriptors (one numpy broadcast of ``addr + id * stride``
 over all regions, no checks, no coalescing), so the ratio says what the planner's checks and generality cost.
-``gbps`` is KV bytes planned per second of planning. Manifests carry synthetic addresses: nothing is copied.
+The table shows milliseconds; ``cpu_seconds`` is the calling thread's CPU time (``time.thread_time``).
+Manifests carry synthetic addresses: nothing is copied.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
 from kvplane.backend.base import Backend
 from kvplane.bench.models import model_spec
 from kvplane.bench.results import BenchResult, make_result
-from kvplane.bench.scenarios import Scenario, register
-from kvplane.bench.timing import alternate
+from kvplane.bench.scenario import Scenario
+from kvplane.bench.timing import interleave
 from kvplane.descriptors import Region, SlotPart
 from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVSpec
@@ -71,7 +74,8 @@ def run_plan(backend: Backend, model: str, tokens: int, quick: bool) -> BenchRes
         d = (d_base + dst_ids[None, :] * stride).ravel()
         raws[:] = [(s, d, np.broadcast_to(stride, (len(stride), blocks)).ravel().copy())]
 
-    seconds, baseline_seconds = alternate(ours, raw, 5 if quick else 15, warmup=2)
+    samples = interleave(ours, raw, 5 if quick else 15, warmup=2, clock=time.thread_time)
+    seconds, baseline_seconds = samples.median, samples.baseline_median
     plan = planned[0].plan
     raw_src, raw_dst, raw_len = raws[0]
     order = np.lexsort((raw_dst,))  # verified: the planner's descriptors are exactly the raw ones
@@ -86,27 +90,23 @@ def run_plan(backend: Backend, model: str, tokens: int, quick: bool) -> BenchRes
         backend=backend.label,
         transport="none",
         nbytes=plan.total_bytes,
-        seconds=seconds,
+        samples=samples,
         baseline="numpy descriptor arithmetic",
-        baseline_seconds=baseline_seconds,
         verified=verified,
+        descriptors=len(plan),
         params={
             "model": model,
             "tokens": tokens,
             "descriptors": len(plan),
             "plan_ms": round(seconds * 1e3, 3),
             "baseline_ms": round(baseline_seconds * 1e3, 3),
+            "plan_cpu_ms": round(samples.cpu_median * 1e3, 3),
         },
     )
 
 
-def _scenario(model: str, tokens: int) -> Scenario:
+def scenario(model: str, tokens: int) -> Scenario:
     def run(backend: Backend, quick: bool) -> BenchResult:
         return run_plan(backend, model, tokens, quick)
 
     return Scenario(f"plan-{model}-{tokens // 1000}k", "plan", run, {"model": model, "tokens": tokens})
-
-
-for _model in ("qwen3-0.6b", "deepseek-v3"):
-    for _tokens in (10_000, 100_000):
-        register(_scenario(_model, _tokens))

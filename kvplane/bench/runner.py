@@ -1,17 +1,24 @@
-"""Runs bench scenarios with a progress bar, prints the table, writes JSON and the plot."""
+"""Runs bench scenarios, prints the table, writes JSON and the plot.
+
+While scenarios run, file descriptors 1 and 2 point at the log file (engine logs from C, threads and peer
+processes land there); the terminal gets a one-line progress indicator (only on a tty), then the table and the
+paths of what was written.
+"""
 
 from __future__ import annotations
 
 import gc
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+import time
+import traceback
+from collections.abc import Callable
+from typing import TextIO
 
 from kvplane.backend.base import Backend
-from kvplane.bench.plot import plot
+from kvplane.bench.logs import engine_output_to
+from kvplane.bench.plot import PLOT_HINT, plot_available
 from kvplane.bench.results import BenchResult, machine_info, write_json
-from kvplane.bench.scenarios import Scenario
+from kvplane.bench.scenario import Scenario
+from kvplane.bench.table import render
 from kvplane.errors import KvplaneError
 
 
@@ -22,57 +29,55 @@ def run(
     quick: bool,
     json_path: str | None,
     plot_path: str | None,
-    console: Console,
+    log_path: str,
+    terminal: TextIO,
 ) -> list[BenchResult]:
     results: list[BenchResult] = []
     failures: list[str] = []
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
-        task = progress.add_task("bench", total=len(scenarios))
-        for scenario in scenarios:
-            progress.update(task, description=scenario.name)
+    start = time.monotonic()
+    held: Callable[[], None] | None = None  # the release of the module whose buffers are held now
+    with engine_output_to(log_path) as out:
+        live = out.isatty()
+        for i, scenario in enumerate(scenarios):
+            if held is not None and held is not scenario.release:
+                held()
+            held = scenario.release
+            if live:
+                out.write(f"\r\033[K[{i + 1}/{len(scenarios)}] {scenario.name}")
+            # into the log, so engine lines have their scenario and each scenario its start time
+            print(f"== {scenario.name} at {time.monotonic() - start:.1f} s", flush=True)
             try:
                 results.append(scenario.run(backend, quick))
-            except KvplaneError as e:  # one broken scenario must not hide the others' numbers
-                failures.append(f"{scenario.name}: {e}")
-            progress.advance(task)
+            except Exception as e:  # one broken scenario must not hide the others' numbers
+                failures.append(f"{scenario.name}: {type(e).__name__}: {e}")
+                traceback.print_exc()
             gc.collect()
-    console.print(table(results, backend.label))
-    for failure in failures:
-        console.print(f"[red]failed[/red] {failure}")
+        if held is not None:
+            held()
+        if live:
+            out.write("\r\033[K")
+        out.flush()
+    elapsed = time.monotonic() - start
     machine = machine_info(backend.label)
+    title = (f"kvplane bench - backend {backend.label}, {machine['cpus']} CPUs, {len(results)} rows in "
+             f"{elapsed:.0f} s" + (" (quick)" if quick else ""))
+    print(render(results, title), file=terminal)
+    for failure in failures:
+        print(f"FAILED {failure}", file=terminal)
+    print("", file=terminal)
     if json_path:
         write_json(json_path, machine, results)
-        console.print(f"results: {json_path}")
-    if plot_path and plot(results, plot_path, f"kvplane bench on {backend.label} ({machine['cpus']} CPUs)"):
-        console.print(f"plot: {plot_path}")
+        print(f"results: {json_path}", file=terminal)
+    if plot_path:
+        if not plot_available():
+            print(f"plot: not drawn, matplotlib is missing ({PLOT_HINT})", file=terminal)
+        else:
+            from kvplane.bench.plot import plot
+
+            if plot(results, plot_path, title):
+                print(f"plot: {plot_path}", file=terminal)
+    print(f"engine logs: {log_path}", file=terminal)
+    terminal.flush()
     if failures:
-        raise KvplaneError(f"{len(failures)} bench scenario(s) failed")
+        raise KvplaneError(f"{len(failures)} bench scenario(s) failed; tracebacks are in {log_path}")
     return results
-
-
-def table(results: list[BenchResult], label: str) -> Table:
-    t = Table(title=f"kvplane bench - backend {label}")
-    t.add_column("scenario", no_wrap=True, min_width=28)
-    for col in ("kind", "transport", "MB", "GB/s", "baseline", "baseline GB/s", "ratio", "verified", "note"):
-        t.add_column(col, justify="right" if col in ("MB", "GB/s", "baseline GB/s", "ratio") else "left")
-    for r in results:
-        t.add_row(
-            r.scenario,
-            r.kind,
-            r.transport,
-            f"{r.bytes / 1e6:.0f}",
-            f"{r.gbps:.2f}",
-            r.baseline,
-            f"{r.baseline_gbps:.2f}",
-            f"{r.ratio:.2f}",
-            "yes" if r.verified else "[red]NO[/red]",
-            str(r.params.get("note", "")),
-        )
-    return t

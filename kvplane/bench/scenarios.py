@@ -1,46 +1,88 @@
-"""The scenario registry. A scenario module calls ``register``; the runner picks by name or default set."""
+"""The bench catalog: every scenario ``kvplane bench`` runs, listed here and nowhere else.
+
+``DEFAULT`` is a plain ``kvplane bench`` (about 2 minutes on 2 cores): one representative row per kind and
+model. ``full()`` is ``--full``: the default rows at full size plus the sweeps (block sizes, raw transports,
+block-id patterns, big store and plan sizes). Scenario modules only offer factories; nothing registers on
+import.
+
+Layouts: every factory takes ``layouts`` (default: the backend's own) and a name ``variant``. To measure
+another layout beside the default one (cross-layer blocks), add an entry to ``LAYOUT_VARIANTS``: its rows are
+appended to both lists, named with the suffix.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
-from kvplane.backend.base import Backend
-from kvplane.bench.results import BenchResult
+from kvplane.bench import local_copy, offload, overhead, pd, pd_flow, plan_build, store
+from kvplane.bench.scenario import Scenario
 from kvplane.errors import KvplaneError
 
+MODELS = ("qwen3-0.6b", "deepseek-v3")
+ENGINES = ("mooncake", "nixl")
+DEFAULT_PD_TOKENS = 1_000  # the default run's P/D rows (fixed costs dominate its time); --full: 10k
 
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    kind: str
-    run: Callable[[Backend, bool], BenchResult]  # (backend, quick) -> result
-    params: dict[str, Any] = field(default_factory=dict)
-    default: bool = True  # part of a plain ``kvplane bench`` run
-
-
-SCENARIOS: dict[str, Scenario] = {}
+# (name suffix, layouts by family): extra layouts measured beside the backend's own, e.g.
+# ("-xl", {"gqa": "<cross-layer gqa layout>", "mla": "<cross-layer mla layout>"})
+LAYOUT_VARIANTS: tuple[tuple[str, dict[str, str]], ...] = ()
 
 
-def register(scenario: Scenario) -> None:
-    if scenario.name in SCENARIOS:
-        raise KvplaneError(f"bench scenario {scenario.name!r} is registered twice")
-    SCENARIOS[scenario.name] = scenario
+def _rows(layouts: dict[str, str] | None, variant: str, full: bool) -> list[Scenario]:
+    pd_tokens = None if full else DEFAULT_PD_TOKENS
+    rows: list[Scenario] = []
+    for m in MODELS:
+        rows += [offload.scenario(m, d, layouts, variant) for d in ("store", "load")]
+    for m in MODELS:
+        rows += [overhead.scenario(m, d, layouts, variant) for d in ("store", "load")]
+    for e in ENGINES:
+        for m in MODELS:
+            rows += [pd_flow.scenario(e, m, mode, "scatter", layouts, variant, pd_tokens) for mode in pd_flow.MODES]
+    if store.available():
+        for m in MODELS:
+            rows += [store.scenario(m, op, layouts=layouts, variant=variant) for op in ("put", "get")]
+    if not variant:
+        rows += [plan_build.scenario(m, 10_000) for m in MODELS]
+    return rows
 
 
-def load_all() -> dict[str, Scenario]:
-    """Import every scenario module (each registers on import) and return the registry."""
-    from kvplane.bench import local_copy, offload, pd, pd_flow, plan_build, store  # noqa: F401
+def _sweeps(layouts: dict[str, str] | None, variant: str) -> list[Scenario]:
+    rows: list[Scenario] = []
+    for m in MODELS:
+        for d in ("d2h", "h2d"):
+            rows += [local_copy.scenario(m, d, bt, layouts, variant) for bt in local_copy.BLOCK_TOKENS]
+    for e in ENGINES:
+        for m in MODELS:
+            for pattern in ("scatter", "runs"):
+                rows += [pd.scenario(e, m, op, pattern, layouts, variant) for op in ("READ", "WRITE")]
+            rows += [pd_flow.scenario(e, m, mode, "runs", layouts, variant) for mode in pd_flow.MODES]
+    if store.available():
+        for m in MODELS:
+            rows += [store.scenario(m, op, store.BIG_TOKENS, layouts, variant) for op in ("put", "get")]
+    if not variant:
+        rows += [plan_build.scenario(m, 100_000) for m in MODELS]
+    return rows
 
-    return SCENARIOS
+
+def default() -> list[Scenario]:
+    rows = _rows(None, "", full=False)
+    for suffix, layouts in LAYOUT_VARIANTS:
+        rows += _rows(layouts, suffix, full=False)
+    return rows
 
 
-def select(names: list[str] | None) -> list[Scenario]:
-    scenarios = load_all()
+def full() -> list[Scenario]:
+    rows = _rows(None, "", full=True) + _sweeps(None, "")
+    for suffix, layouts in LAYOUT_VARIANTS:
+        rows += _rows(layouts, suffix, full=True) + _sweeps(layouts, suffix)
+    return rows
+
+
+def select(names: list[str] | None, full_run: bool = False) -> list[Scenario]:
+    """The scenarios a run asks for: a named one runs at the default run's size unless ``full_run``."""
     if not names:
-        return [s for s in scenarios.values() if s.default]
-    unknown = [n for n in names if n not in scenarios]
+        return full() if full_run else default()
+    known = {s.name: s for s in full()}
+    if not full_run:
+        known.update({s.name: s for s in default()})
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise KvplaneError(f"--scenario {unknown[0]!r} is unknown; choose from: {', '.join(scenarios)}")
-    return [scenarios[n] for n in names]
+        raise KvplaneError(f"--scenario {unknown[0]!r} is unknown; choose from: {', '.join(known)}")
+    return [known[n] for n in names]

@@ -26,16 +26,16 @@ from typing import Any
 
 from kvplane.backend.base import Backend
 from kvplane.bench.local_copy import same_blocks
-from kvplane.bench.models import MODELS, model_spec
+from kvplane.bench.models import model_spec
 from kvplane.bench.offload import BLOCK_TOKENS, OffloadRig, build_rig, load_once, store_once
 from kvplane.bench.results import BenchResult, make_result
-from kvplane.bench.scenarios import Scenario, register
-from kvplane.bench.timing import timed
+from kvplane.bench.scenario import Scenario
+from kvplane.bench.timing import MIN_REPS, Samples, timed, timed_cpu
 from kvplane.flows.offload import StoreConfig, start_master
 from kvplane.flows.offload.spill import StoreLink
+from kvplane.kv.binding import LayoutChoice
 
 TOKENS, QUICK_TOKENS, BIG_TOKENS = 2_000, 512, 10_000
-REPS, QUICK_REPS = 5, 2
 GROUP = 0
 
 
@@ -54,7 +54,9 @@ class _Prefixes:
 class StoreRig:
     """An offload rig with a write-through store tier, its stored source prefix pinned in the host tier."""
 
-    def __init__(self, backend: Backend, model: str, tokens: int, master_address: str) -> None:
+    def __init__(
+        self, backend: Backend, model: str, tokens: int, master_address: str, layouts: LayoutChoice | None = None
+    ) -> None:
         blocks = -(-tokens // BLOCK_TOKENS)
         nbytes = blocks * model_spec(model, BLOCK_TOKENS).bytes_per_token * BLOCK_TOKENS
         config = StoreConfig(
@@ -62,7 +64,9 @@ class StoreRig:
             local_buffer_bytes=16 << 20, timeout_s=30.0, namespace="kvplane-bench",
         )
         # the host tier holds two requests: the pinned source and one fetched prefix
-        self.rig: OffloadRig = build_rig(backend, model, tokens, host_blocks_factor=2, store=config)
+        self.rig: OffloadRig = build_rig(
+            backend, model, tokens, host_blocks_factor=2, store=config, layouts=layouts
+        )
         engine = self.rig.engine
         if engine.store is None or not engine.store.tier.up:
             raise RuntimeError(f"bench: the store tier at {master_address} is not up")
@@ -87,7 +91,7 @@ class StoreRig:
         self.rig.close()
 
 
-def _tier_put(s: StoreRig) -> tuple[float, list[str]]:
+def _tier_put(s: StoreRig) -> tuple[float, float, list[str]]:
     hashes = s.fresh()
     ids = s.rig.engine.index.pin(GROUP, s.source)  # write() takes over this reference until the put is done
 
@@ -95,8 +99,8 @@ def _tier_put(s: StoreRig) -> tuple[float, list[str]]:
         s.link.write(GROUP, ids, hashes)
         s.rig.engine.wait_idle()
 
-    seconds = timed(put)
-    return seconds, s.link.keys(GROUP, hashes)
+    seconds, cpu = timed_cpu(put)
+    return seconds, cpu, s.link.keys(GROUP, hashes)
 
 
 def _raw_put(s: StoreRig) -> tuple[float, list[str], list[int]]:
@@ -124,11 +128,11 @@ def _put_back_equal(s: StoreRig, keys: list[str]) -> bool:
         engine.index.release(GROUP, scratch)
 
 
-def run_put(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]:
-    ours, raw, e2e = [], [], []
+def run_put(s: StoreRig) -> tuple[Samples, bool, dict[str, Any]]:
+    samples, e2e = Samples(), []
     verified = True
-    for rep in range(reps + 1):  # the first round warms up
-        t, keys = _tier_put(s)
+    for rep in range(MIN_REPS + 1):  # the first round warms up
+        t, cpu, keys = _tier_put(s)
         if rep == 0:
             verified = _put_back_equal(s, keys)
         s.remove(keys)
@@ -144,17 +148,18 @@ def run_put(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]
         e = timed(whole_store)
         s.remove(s.link.keys(GROUP, hashes))
         if rep:
-            ours.append(t)
-            raw.append(r)
+            samples.ours.append(t)
+            samples.cpu.append(cpu)
+            samples.baseline.append(r)
             e2e.append(e)
-    return statistics.median(ours), statistics.median(raw), verified, _e2e(s, e2e)
+    return samples, verified, _e2e(s, e2e)
 
 
-def run_get(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]:
+def run_get(s: StoreRig) -> tuple[Samples, bool, dict[str, Any]]:
     engine = s.rig.engine
-    ours, raw, e2e = [], [], []
+    samples, e2e = Samples(), []
     verified = True
-    for rep in range(reps + 1):
+    for rep in range(MIN_REPS + 1):
         hashes, load_hashes = s.fresh(), s.fresh()
         keys, load_keys = s.link.keys(GROUP, hashes), s.link.keys(GROUP, load_hashes)
         for k in (keys, load_keys):  # untimed: the objects the gets read
@@ -167,7 +172,7 @@ def run_get(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]
                 raise RuntimeError("bench: the store does not hold the prefix just put")
             fetched.append(s.link.fetch(GROUP, hashes))
 
-        t = timed(fetch)
+        t, cpu = timed_cpu(fetch)
         ids = fetched[0]
         verified = verified and len(ids) == len(hashes)
         engine.index.release(GROUP, ids)
@@ -181,45 +186,48 @@ def run_get(s: StoreRig, reps: int) -> tuple[float, float, bool, dict[str, Any]]
         if rep == 0:
             rig = s.rig
             verified = verified and same_blocks(
-                rig.spec, rig.cache, rig.src_ids, rig.cache, rig.dst_ids, engine.backend.layouts
+                rig.spec, rig.cache, rig.src_ids, rig.cache, rig.dst_ids, rig.layouts
             )
         s.remove(keys + load_keys)
         if rep:
-            ours.append(t)
-            raw.append(r)
+            samples.ours.append(t)
+            samples.cpu.append(cpu)
+            samples.baseline.append(r)
             e2e.append(e)
-    return statistics.median(ours), statistics.median(raw), verified, _e2e(s, e2e)
+    return samples, verified, _e2e(s, e2e)
 
 
 def _e2e(s: StoreRig, seconds: list[float]) -> dict[str, Any]:
     med = statistics.median(seconds)
     gbps = round(s.nbytes / med / 1e9, 3) if med > 0 else 0.0
-    return {"engine_s": round(med, 4), "engine_gbps": gbps, "note": f"engine {gbps:.1f} GB/s (device incl.)"}
+    note = f"whole engine path incl. device copies: {gbps:.1f} GB/s"
+    return {"engine_s": round(med, 4), "engine_gbps": gbps, "note": note}
 
 
-def run_store(backend: Backend, model: str, op: str, tokens: int, quick: bool) -> BenchResult:
+def run_store(
+    backend: Backend, model: str, op: str, tokens: int, quick: bool, layouts: LayoutChoice | None = None,
+    name: str | None = None,
+) -> BenchResult:
     tokens = min(tokens, QUICK_TOKENS) if quick else tokens
-    reps = QUICK_REPS if quick else REPS
     with start_master() as master:
-        s = StoreRig(backend, model, tokens, master.address)
+        s = StoreRig(backend, model, tokens, master.address, layouts)
         try:
-            run = run_put if op == "put" else run_get
-            seconds, baseline_seconds, verified, extra = run(s, reps)
+            samples, verified, extra = run_put(s) if op == "put" else run_get(s)
         finally:
             s.close()
     return make_result(
-        scenario=_name(model, op, tokens if not quick else TOKENS),
+        scenario=name or _name(model, op, tokens if not quick else TOKENS),
         kind="store",
         backend=backend.label,
         transport="mooncake-store",
         nbytes=s.nbytes,
-        seconds=seconds,
+        samples=samples,
         baseline=f"raw batch_{'put_from' if op == 'put' else 'get_into'}",
-        baseline_seconds=baseline_seconds,
         verified=verified,
+        descriptors=len(s.source),  # one object per block
         params={
-            "model": model, "op": op, "tokens": tokens, "block_tokens": BLOCK_TOKENS, "blocks": len(s.source),
-            "objects_per_call": len(s.source), **extra,
+            "model": model, "op": op, "mode": op, "tokens": tokens, "block_tokens": BLOCK_TOKENS,
+            "blocks": len(s.source), "objects_per_call": len(s.source), **extra,
         },
     )
 
@@ -228,15 +236,8 @@ def _name(model: str, op: str, tokens: int) -> str:
     return f"store-{model}-{op}" + ("" if tokens == TOKENS else f"-{tokens // 1000}k")
 
 
-def _scenario(model: str, op: str, tokens: int) -> Scenario:
-    def run(backend: Backend, quick: bool) -> BenchResult:
-        return run_store(backend, model, op, tokens, quick)
-
-    params = {"model": model, "op": op, "tokens": tokens}
-    return Scenario(_name(model, op, tokens), "store", run, params, default=tokens == TOKENS)
-
-
-def _available() -> bool:
+def available() -> bool:
+    """Mooncake Store is installed; without it there is nothing to measure and the catalog leaves these out."""
     try:
         import mooncake.store  # noqa: F401
     except ImportError:
@@ -244,8 +245,12 @@ def _available() -> bool:
     return True
 
 
-if _available():  # without Mooncake Store there is nothing to measure: the scenarios are not offered
-    for _model in MODELS:
-        for _op in ("put", "get"):
-            for _tokens in (TOKENS, BIG_TOKENS):
-                register(_scenario(_model, _op, _tokens))
+def scenario(
+    model: str, op: str, tokens: int = TOKENS, layouts: LayoutChoice | None = None, variant: str = ""
+) -> Scenario:
+    name = _name(model, op, tokens) + variant
+
+    def run(backend: Backend, quick: bool) -> BenchResult:
+        return run_store(backend, model, op, tokens, quick, layouts, name)
+
+    return Scenario(name, "store", run, {"model": model, "op": op, "tokens": tokens})

@@ -15,11 +15,13 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, backends, transfer engines")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     bench = sub.add_parser("bench", help="time kvplane against the raw baseline in the same process")
-    bench.add_argument("--quick", action="store_true", help="fewer tokens and repetitions")
+    bench.add_argument("--quick", action="store_true", help="fewer tokens")
+    bench.add_argument("--full", action="store_true", help="every scenario at full size (the sweeps; minutes)")
     bench.add_argument("--scenario", action="append", metavar="NAME", help="run only this scenario (repeatable)")
     bench.add_argument("--list", action="store_true", help="list scenarios and exit")
     bench.add_argument("--json", metavar="PATH", default="bench-results/bench.json", help="results file")
     bench.add_argument("--plot", metavar="PATH", default="bench-results/bench.png", help="plot file (PNG)")
+    bench.add_argument("--log", metavar="PATH", default="bench-results/bench.log", help="engine log file")
     bench.add_argument("--device", metavar="NAME", help="backend to use (default: $KVPLANE_DEVICE or auto)")
     from kvplane.cli.conformance import add_arguments
 
@@ -47,29 +49,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    try:
-        from rich.console import Console
-
-        from kvplane.bench import runner
-    except ImportError as e:  # rich and matplotlib are the bench extra's, not runtime dependencies
-        raise KvplaneError(f"kvplane bench needs its extra ({e}); pip install 'kvplane[bench]'") from e
     from kvplane.backend.registry import get_backend
-    from kvplane.bench import scenarios
+    from kvplane.bench import runner, scenarios
 
     if args.list:
-        for s in scenarios.load_all().values():
-            print(f"{s.name:<40} {s.kind:<8} {'default' if s.default else ''}")
+        default = {s.name for s in scenarios.default()}
+        listed = {s.name: s for s in scenarios.default() + scenarios.full()}
+        for s in listed.values():
+            print(f"{s.name:<44} {s.kind:<8} {'default' if s.name in default else 'full'}")
         return 0
     backend = get_backend(args.device)
-    console = Console(width=None if sys.stdout.isatty() else 150)  # logs and pipes get the whole table
-    console.print(f"kvplane bench on backend [bold]{backend.label}[/bold]" + (" (quick)" if args.quick else ""))
     runner.run(
         backend,
-        scenarios.select(args.scenario),
+        scenarios.select(args.scenario, args.full),
         quick=args.quick,
         json_path=args.json,
         plot_path=args.plot,
-        console=console,
+        log_path=args.log,
+        terminal=sys.stdout,
     )
     return 0
 

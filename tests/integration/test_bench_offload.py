@@ -12,12 +12,13 @@ import pytest
 
 from kvplane.backend import get_backend
 from kvplane.bench import offload as offload_bench
-from kvplane.bench.scenarios import load_all
+from kvplane.bench import scenarios
 
 pytestmark = pytest.mark.integration
 
-NEW_KINDS = ("offload-", "store-")
-SCENARIOS = sorted(n for n, s in load_all().items() if n.startswith(NEW_KINDS) and s.default)
+NEW_KINDS = ("offload-", "overhead-", "store-")
+DEFAULT = {s.name: s for s in scenarios.default()}
+SCENARIOS = sorted(n for n in DEFAULT if n.startswith(NEW_KINDS))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,20 +27,26 @@ def _release_rigs() -> Iterator[None]:
     offload_bench._release()  # a store scenario keeps its model's buffers for the load scenario
 
 
-def test_every_model_has_an_offload_and_a_store_scenario_in_the_default_set() -> None:
+def test_every_model_has_an_offload_an_overhead_and_a_store_scenario_in_the_default_set() -> None:
     for model in ("qwen3-0.6b", "deepseek-v3"):
-        for suffix in ("offload-{m}-store", "offload-{m}-load", "store-{m}-put", "store-{m}-get"):
-            assert suffix.format(m=model) in SCENARIOS
-    assert not load_all()["store-qwen3-0.6b-put-10k"].default  # the big variants are asked for by name
+        for name in ("offload-{m}-store", "offload-{m}-load", "overhead-{m}-store", "overhead-{m}-load",
+                     "store-{m}-put", "store-{m}-get"):
+            assert name.format(m=model) in SCENARIOS
+    assert "store-qwen3-0.6b-put-10k" not in DEFAULT  # the big variants run with --full or by name
+    assert "store-qwen3-0.6b-put-10k" in {s.name for s in scenarios.full()}
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario_returns_a_verified_result_in_quick_mode(name: str) -> None:
-    result = load_all()[name].run(get_backend("cpu"), True)
+    result = DEFAULT[name].run(get_backend("cpu"), True)
     assert result.scenario == name
     assert result.verified is True
     assert result.bytes > 0 and result.gbps > 0 and result.baseline_gbps > 0
-    if result.kind == "offload":
+    assert result.reps >= 5 and result.descriptors > 0 and result.cpu_seconds > 0
+    assert result.spread["min_s"] <= result.spread["median_s"] <= result.spread["max_s"]
+    if result.kind == "overhead":
+        assert result.params["tokens"] == 2000 and result.params["cpu_ms_per_request"] > 0
+    elif result.kind == "offload":
         assert result.params["tokens"] == 2000
         if name.endswith("-load"):
             p = result.params

@@ -6,18 +6,19 @@ from __future__ import annotations
 import pytest
 
 from kvplane.backend import get_backend
-from kvplane.bench import pd_flow
-from kvplane.bench.scenarios import load_all
+from kvplane.bench import pd_flow, scenarios
 
 pytestmark = pytest.mark.integration
 
 
-def test_every_engine_model_and_mode_is_a_scenario() -> None:
-    names = {s.name for s in load_all().values() if s.kind == "pd"}
+def test_every_engine_model_and_mode_is_a_default_scenario_and_runs_variants_are_in_the_full_run() -> None:
+    names = {s.name for s in scenarios.default() if s.kind == "pd"}
+    full = {s.name for s in scenarios.full() if s.kind == "pd"}
     for engine in pd_flow.ENGINES:
         for model in pd_flow.MODELS:
             for mode in pd_flow.MODES:
                 assert f"pd-flow-{engine}-{model}-{mode}" in names
+                assert f"pd-flow-{engine}-{model}-{mode}-runs" in full
 
 
 @pytest.mark.parametrize("engine", pd_flow.ENGINES)
@@ -33,6 +34,7 @@ def test_each_mode_moves_verified_bytes_and_reports_its_figures(engine: str) -> 
         assert r.bytes == 2000 * 61 * 576 * 2  # 2k tokens of DeepSeek-V3's bf16 kv_c + k_pe, every layer
         assert r.seconds > 0 and r.baseline_gbps > 0
         assert r.params["prefill_done_to_kv_ready_ms"] > 0 and r.params["raw_ms"] > 0
+        assert r.reps >= 5 and r.descriptors > 0 and r.params["baseline_descriptors"] >= r.descriptors
     lw = results["layerwise"].params
     assert 0.0 <= lw["hidden"] <= 1.0 and lw["compute_over_push"] > 0.0 and lw["push_ms"] > 0.0
     assert "hidden" in lw["note"]

@@ -31,7 +31,7 @@ def test_bench_writes_verified_results_and_a_plot(tmp_path: Path) -> None:
         "bench", "--quick",
         "--scenario", "copy-qwen3-0.6b-d2h-bs16",
         "--scenario", "copy-deepseek-v3-h2d-bs64",
-        "--json", str(out), "--plot", str(png),
+        "--json", str(out), "--plot", str(png), "--log", str(tmp_path / "bench.log"),
         env={"KVPLANE_DEVICE": "cpu"},
     )
     assert proc.returncode == 0, proc.stderr
@@ -47,7 +47,9 @@ def test_bench_writes_verified_results_and_a_plot(tmp_path: Path) -> None:
         assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"], rel=0.01)
     assert results[0]["bytes"] == 2000 * 114_688  # 2k tokens of Qwen3-0.6B in 16-token blocks
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "copy-qwen3-0.6b-d2h-bs16" in proc.stdout
+    assert "qwen3 d2h bs16" in proc.stdout and "dsv3 h2d bs64" in proc.stdout  # the table's short row names
+    assert all(len(line) <= 100 for line in proc.stdout.splitlines())
+    assert "engine logs:" in proc.stdout and proc.stderr == ""
 
 
 @pytest.mark.integration
@@ -81,7 +83,8 @@ def test_unknown_device_is_an_error_naming_installed_backends() -> None:
 @pytest.mark.integration
 def test_plan_scenario_reports_verified_descriptors(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    proc = kvplane("bench", "--quick", "--scenario", "plan-qwen3-0.6b-10k", "--json", str(out), "--plot", "")
+    proc = kvplane("bench", "--quick", "--scenario", "plan-qwen3-0.6b-10k", "--json", str(out), "--plot", "",
+                   "--log", str(tmp_path / "plan.log"))
     assert proc.returncode == 0, proc.stderr
     (r,) = json.loads(out.read_text())["results"]
     assert r["kind"] == "plan" and r["verified"] is True

@@ -26,7 +26,8 @@ GATE_S = 30.0  # a gate nobody opens gives up after this, so a broken test fails
 
 
 class GatedCpu(CpuBackend):
-    """A cpu backend that counts ``execute`` calls and holds call ``n`` behind ``gates[n]`` on its stream.
+    """A cpu backend that counts copies enqueued (each ``execute`` call, and each non-empty part of an
+    ``execute_parts`` batch: one layer) and holds copy ``n`` behind ``gates[n]`` on its stream.
 
     Host memory handed out is summed in ``host_bytes`` (the memory-bound tests read it).
     """
@@ -36,6 +37,7 @@ class GatedCpu(CpuBackend):
         self.calls = 0
         self.gates: dict[int, threading.Event] = {}
         self.host_bytes = 0
+        self._part_gates: dict[tuple[int, int], threading.Event] = {}  # (id(plan), begin) -> its gate
 
     def gate(self, call: int) -> threading.Event:
         event = threading.Event()
@@ -52,6 +54,21 @@ class GatedCpu(CpuBackend):
         if gate is not None and isinstance(stream, WorkerStream):
             stream.submit(lambda: None if gate.wait(GATE_S) else None)
         super()._execute(plan, stream, direction=direction)
+
+    def execute_parts(self, plan: CopyPlan, bounds: Any, stream: Any, *, direction: Any = None) -> Any:
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                gate = self.gates.get(self.calls)
+                self.calls += 1
+                if gate is not None:
+                    self._part_gates[(id(plan), a)] = gate
+        return super().execute_parts(plan, bounds, stream, direction=direction)
+
+    def _copy(self, plan: CopyPlan, begin: int = 0, end: int = -1) -> None:
+        gate = self._part_gates.pop((id(plan), begin), None)
+        if gate is not None:
+            gate.wait(GATE_S)
+        super()._copy(plan, begin, end)
 
     def _alloc_host(self, nbytes: int, pinned: bool) -> torch.Tensor:
         self.host_bytes += nbytes

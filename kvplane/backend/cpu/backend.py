@@ -1,10 +1,15 @@
-"""The cpu backend: host memory is its "device", copies are real memcpy on ordered worker streams."""
+"""The cpu backend: host memory is its "device", copies are real memcpy on ordered worker streams.
+
+``execute_parts`` hands a whole batch of layers to the copy stream as one task that completes each layer's
+event itself, copying each layer's range of the one plan in place (no per-layer plan, task or thread).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from kvplane.backend.base import Backend, Direction, Probe, Stream
+from kvplane.backend.base import Backend, Direction, Event, Probe, Stream
 from kvplane.backend.cpu.memcpy import copy_plan, default_threads
 from kvplane.backend.cpu.streams import CpuEvent, HostStream, WorkerStream
 from kvplane.descriptors import CopyPlan
@@ -54,11 +59,21 @@ class CpuBackend(Backend):
 
         return torch.empty(nbytes, dtype=torch.uint8)  # nothing to pin without a device
 
+    def _copy(self, plan: CopyPlan, begin: int = 0, end: int = -1) -> None:
+        copy_plan(plan, self.copy_threads, begin, end)  # every copy is a host memcpy here, whatever direction
+
     def _execute(self, plan: CopyPlan, stream: Stream | None, *, direction: Direction | None = None) -> None:
-        threads = self.copy_threads  # ``direction`` is ignored: every copy is a host memcpy here
         if stream is None or isinstance(stream, HostStream):
-            copy_plan(plan, threads)
+            self._copy(plan)
         elif isinstance(stream, WorkerStream):
-            stream.submit(lambda: copy_plan(plan, threads))
+            stream.submit(lambda: self._copy(plan))
         else:
             raise BackendError(f"the cpu backend cannot run work on {type(stream).__name__}")
+
+    def execute_parts(
+        self, plan: CopyPlan, bounds: Sequence[int], stream: Stream, *, direction: Direction | None = None
+    ) -> list[Event]:
+        if not isinstance(stream, WorkerStream):
+            return super().execute_parts(plan, bounds, stream, direction=direction)
+        self._check_parts(plan, bounds, direction)
+        return list(stream.submit_parts(lambda a, b: self._copy(plan, a, b) if b > a else None, bounds))

@@ -2,52 +2,50 @@
 
 A ``WorkerStream`` is an ordered worker: one thread runs submitted tasks in submission order, like a device
 stream. A ``HostStream`` is the caller's own thread (cpu compute is synchronous), so work on it is done when
-submitted. An event marks a point in a stream. A failed task poisons its stream: the next ``synchronize`` or
-event wait raises the error instead of hiding it or hanging.
+submitted. A failed task poisons its stream: the next ``synchronize`` or event wait raises the error instead
+of hiding it or hanging.
+
+Events are tickets, not tasks: a stream counts the steps submitted to it and the steps completed, and an
+event recorded on it completes once the completed count reaches the submitted count at record time. Recording
+enqueues nothing, and ``submit_parts`` runs several steps (one layer's copy each) as one task that completes
+each step's event as it goes: one hand-off to the worker for a whole batch of layers.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvplane.errors import BackendError
 
 DEFAULT_TIMEOUT_S = 600.0
+POLL_S = 0.05  # how often a waiter re-checks its stream for a failure
 
 
 class CpuEvent:
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._done.set()  # an event never recorded is complete, as with torch.Event
-        self._stream: WorkerStream | None = None
+    __slots__ = ("_stream", "_ticket")
+
+    def __init__(self, stream: WorkerStream | None = None, ticket: int = 0) -> None:
+        self._stream = stream  # None: complete (never recorded, as with torch.Event, or recorded on the host)
+        self._ticket = ticket
 
     def record(self, stream: Any = None) -> None:
         if isinstance(stream, WorkerStream):
-            done = threading.Event()
-            self._done, self._stream = done, stream
-            stream.submit(done.set)
+            self._stream, self._ticket = stream, stream.submitted
         elif stream is None or isinstance(stream, HostStream):
-            self._done, self._stream = threading.Event(), None
-            self._done.set()
+            self._stream, self._ticket = None, 0
         else:
             raise BackendError(f"a cpu event cannot be recorded on {type(stream).__name__}")
 
     def query(self) -> bool:
-        return self._done.is_set()
+        return self._stream is None or self._stream.reached(self._ticket)
 
     def synchronize(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        stream = self._stream
-        while not self._done.wait(0.05):
-            if stream is not None:
-                stream.raise_if_failed()
-            timeout -= 0.05
-            if timeout <= 0:
-                raise BackendError("cpu event did not complete in time; a task on its stream is stuck")
-        if stream is not None:
-            stream.raise_if_failed()
+        if self._stream is not None:
+            self._stream.wait_for(self._ticket, timeout)
 
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` wait for this event (torch.Event.wait semantics)."""
@@ -57,38 +55,68 @@ class CpuEvent:
             self.synchronize()
 
 
+_Task = tuple[Callable[[], None] | None, int]  # (work, steps it completes); (None, 0) stops the worker
+
+
 class WorkerStream:
     """Tasks run one after another on a dedicated daemon thread."""
 
     def __init__(self, name: str = "kvplane-cpu-stream") -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Task] = queue.SimpleQueue()
         self._error: BaseException | None = None
-        self._pending = 0
+        self.submitted = 0  # steps enqueued (written by the submitting thread, under the lock)
+        self.completed = 0  # steps done or skipped (written by the worker, under the lock)
+        self._good = 0  # steps that ran before a task failed: events past them never complete
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._progress = threading.Condition(self._lock)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, task: Callable[[], None]) -> None:
-        with self._lock:
-            if self._closed:
-                raise BackendError("this cpu stream was closed; create a new one with backend.new_stream()")
-            self._pending += 1
-        self._queue.put(task)
+        self._enqueue(task, 1)
+
+    def submit_parts(self, step: Callable[[int, int], None], bounds: Sequence[int]) -> list[CpuEvent]:
+        """One task running ``step(bounds[i], bounds[i + 1])`` for each i in order; each step's event completes
+        as soon as that step has run."""
+        parts = len(bounds) - 1
+        if parts <= 0:
+            return []
+
+        def run() -> None:
+            for i in range(parts):
+                step(bounds[i], bounds[i + 1])
+                self._advance(1)
+
+        first = self._enqueue(run, 0, reserve=parts)
+        return [CpuEvent(self, first + i + 1) for i in range(parts)]
 
     def wait_event(self, event: Any) -> None:
-        if isinstance(event, CpuEvent) and event._stream is not self:
+        if isinstance(event, CpuEvent) and event._stream is not None and event._stream is not self:
             self.submit(event.synchronize)
 
     def query(self) -> bool:
-        with self._lock:
-            return self._pending == 0
+        return self.completed >= self.submitted
+
+    def reached(self, ticket: int) -> bool:
+        """Whether the first ``ticket`` steps ran (an event at ``ticket`` is complete)."""
+        return self.completed >= ticket and (self._error is None or ticket <= self._good)
 
     def synchronize(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        with self._idle:
-            if not self._idle.wait_for(lambda: self._pending == 0, timeout):
-                raise BackendError(f"cpu stream still had {self._pending} task(s) after {timeout} s")
+        self.wait_for(self.submitted, timeout)
+
+    def wait_for(self, ticket: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Block until ``ticket`` steps have completed; raise if a task failed or the time ran out."""
+        deadline = time.monotonic() + timeout
+        with self._progress:
+            while self.completed < ticket and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BackendError(
+                        f"cpu stream: {ticket - self.completed} step(s) still pending after {timeout} s; "
+                        f"a task on it is stuck"
+                    )
+                self._progress.wait(min(POLL_S, left))
         self.raise_if_failed()
 
     def close(self) -> None:
@@ -97,27 +125,50 @@ class WorkerStream:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(None)
+        self._queue.put((None, 0))
         self._thread.join()
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
             raise BackendError(f"a task on this cpu stream failed: {self._error!r}") from self._error
 
+    def _enqueue(self, task: Callable[[], None], steps: int, reserve: int = 0) -> int:
+        """Queue ``task``; returns the submitted count before it. ``reserve`` steps are advanced by the task
+        itself (``submit_parts``), ``steps`` by the worker once the task returns."""
+        with self._lock:
+            if self._closed:
+                raise BackendError("this cpu stream was closed; create a new one with backend.new_stream()")
+            before = self.submitted
+            self.submitted += steps + reserve
+        self._queue.put((task, steps if not reserve else -reserve))
+        return before
+
+    def _advance(self, steps: int) -> None:
+        with self._progress:
+            self.completed += steps
+            self._progress.notify_all()
+
     def _run(self) -> None:
         while True:
-            task = self._queue.get()
+            task, steps = self._queue.get()
             if task is None:
                 return
-            try:
-                if self._error is None:  # once failed, later tasks are skipped, not run on bad state
+            done_by_task = 0
+            if self._error is None:  # once failed, later tasks are skipped, not run on bad state
+                before = self.completed
+                try:
                     task()
-            except BaseException as e:
-                self._error = e
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+                except BaseException as e:
+                    self._good = self.completed
+                    self._error = e
+                done_by_task = self.completed - before
+            # a plain task completes its step now; a task of parts completes what it did not get to
+            left = steps if steps > 0 else -steps - done_by_task
+            if left:
+                self._advance(left)
+            elif self._error is not None:
+                with self._progress:
+                    self._progress.notify_all()
 
 
 class HostStream:

@@ -1,12 +1,12 @@
 """Per-layer copies between the device cache and the host pool, on two copy streams.
 
-A save of layer L records an event on the compute stream (``backend.current_stream()``) and makes the save
-stream wait for it, so the D2H reads the KV the layer's attention just wrote, without stalling the caller
-(the engine may hand several layers' plans over at once, after the latest layer's event). A
-load enqueues each layer's H2D on the load stream and records one event after it; ``wait_for_layer`` waits for
-that event only, while later layers keep copying. Plans for every layer of a request come from one
-``LayerPlanner`` call over the device regions and their host twins: array operations, no Python loop per block
-(nor per layer, until each layer's plan is enqueued).
+A save of layers records an event on the compute stream (``backend.current_stream()``) and makes the save
+stream wait for it, so the D2H reads the KV the layers' attention just wrote, without stalling the caller
+(the engine may hand several layers over at once, after the latest layer's compute). A load enqueues every
+layer's H2D on the load stream as one batch (``Backend.execute_parts``) with an event after each layer;
+``wait_for_layer`` waits for that event only, while later layers keep copying. Plans for every layer of a
+request come from one ``LayerPlanner`` call over the device regions and their host twins: one plan with each
+layer's bounds in it, from array operations, with no Python loop per block or per layer.
 """
 
 from __future__ import annotations
@@ -38,6 +38,18 @@ class LayerCopier:
         self._save_planners: dict[tuple[str, ...], LayerPlanner] = {}
         self._load_planners: dict[tuple[str, ...], LayerPlanner] = {}
 
+    def save_parts(self, layers: Sequence[str], device_ids: Ids, host_ids: Ids) -> tuple[CopyPlan, list[int]]:
+        """D2H of ``layers`` (one KV-cache group) as one plan and each layer's bounds in it."""
+        return self._planner(self._save_planners, layers, self.device_regions, self.host_regions).parts(
+            device_ids, host_ids
+        )
+
+    def load_parts(self, layers: Sequence[str], host_ids: Ids, device_ids: Ids) -> tuple[CopyPlan, list[int]]:
+        """H2D of ``layers`` (one KV-cache group) as one plan and each layer's bounds in it."""
+        return self._planner(self._load_planners, layers, self.host_regions, self.device_regions).parts(
+            host_ids, device_ids
+        )
+
     def save_plans(self, layers: Sequence[str], device_ids: Ids, host_ids: Ids) -> dict[str, CopyPlan]:
         """D2H plans of ``layers`` (one KV-cache group) for these blocks, built all at once."""
         return self._planner(self._save_planners, layers, self.device_regions, self.host_regions).plans(
@@ -60,10 +72,20 @@ class LayerCopier:
             self.save_stream.wait_event(after)
         self.backend.execute(plan, self.save_stream, direction="d2h")
 
+    def save_range(self, plan: CopyPlan, begin: int, end: int, after: Event | None) -> None:
+        """Enqueue descriptors ``[begin, end)`` of a D2H plan (consecutive layers) once ``after`` completed."""
+        if after is not None and not after.query():
+            self.save_stream.wait_event(after)
+        self.backend.execute_parts(plan, [begin, end], self.save_stream, direction="d2h")
+
     def load(self, plan: CopyPlan) -> Event:
         """Enqueue one layer's H2D plan; the returned event completes with it."""
         self.backend.execute(plan, self.load_stream, direction="h2d")
         return self.mark(self.load_stream)
+
+    def load_all(self, plan: CopyPlan, bounds: Sequence[int]) -> list[Event]:
+        """Enqueue the H2D of every layer as one batch; event ``i`` completes with layer ``i``'s part."""
+        return self.backend.execute_parts(plan, bounds, self.load_stream, direction="h2d")
 
     @staticmethod
     def _planner(

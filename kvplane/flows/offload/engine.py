@@ -67,6 +67,8 @@ class OffloadEngine:
         self._layer_group = {layer.name: layer.group_id for layer in spec.layers}
         self._group_ids = [g.group_id for g in spec.groups if g.group_id in self.pool.block_bytes]
         self._group_layers = {g: [n for n, lg in self._layer_group.items() if lg == g] for g in self._group_ids}
+        # layer -> (its group, its index among the group's layers): where its part sits in a group's plan
+        self._layer_pos = {n: (g, i) for g, names in self._group_layers.items() for i, n in enumerate(names)}
         self._tokens_per_block = {g.group_id: g.tokens_per_block for g in spec.groups}
         self.fingerprint = fingerprint(spec, regions, tp_rank, tp_size)
         self.store: StoreLink | None = None
@@ -78,8 +80,8 @@ class OffloadEngine:
         self._saving: dict[str, StoreJob] = {}  # every copy enqueued (or aborted): waiting for the event
         self._loading: dict[str, LoadJob] = {}
         self._layer_events: dict[str, Event] = {}
-        self._pending_saves: list[CopyPlan] = []  # layers saved while the save stream was busy, not yet enqueued
-        self._pending_after: Event | None = None  # recorded after the latest of those layers' compute
+        # layers saved while the save stream was busy, not yet enqueued: (plan, begin, end) parts of job plans
+        self._pending_saves: list[tuple[CopyPlan, int, int]] = []
         self._stored: set[str] = set()
         self._loaded: set[str] = set()
         self._load_errors: set[int] = set()
@@ -136,7 +138,7 @@ class OffloadEngine:
         layers = {name for name, g in self._layer_group.items() if g in groups}
         job = StoreJob(request_id, groups, layers)
         for g, blocks in groups.items():
-            job.plans.update(self.copier.save_plans(self._group_layers[g], blocks.device_ids, blocks.host_ids))
+            job.plans[g] = self.copier.save_parts(self._group_layers[g], blocks.device_ids, blocks.host_ids)
         if layers:
             self._open[request_id] = job
         else:
@@ -149,9 +151,10 @@ class OffloadEngine:
         jobs = [j for j in self._open.values() if layer_name in j.layers_left]
         if not jobs:
             return
-        plan = jobs[0].plans[layer_name] if len(jobs) == 1 else CopyPlan.concat([j.plans[layer_name] for j in jobs])
-        self._pending_saves.append(plan)
-        self._pending_after = self.copier.after_compute()
+        g, i = self._layer_pos[layer_name]
+        for j in jobs:
+            plan, bounds = j.plans[g]
+            self._pending_saves.append((plan, bounds[i], bounds[i + 1]))
         done = []
         for j in jobs:
             j.layers_left.discard(layer_name)
@@ -166,17 +169,23 @@ class OffloadEngine:
                 self._saving[j.request_id] = self._open.pop(j.request_id)
 
     def _flush_saves(self) -> None:
-        """Enqueue the D2H of every layer saved since the last flush as one copy, after the latest compute.
+        """Enqueue the D2H of every layer saved since the last flush as one copy, after the compute so far.
 
-        While the save stream is still copying earlier layers, later layers wait here and then go as one plan:
+        While the save stream is still copying earlier layers, later layers wait here and then go as one part:
         they could not have started sooner, and one call per batch instead of per layer matters where a copy
-        call is costly (the cpu backend's worker, a busy host). Layers of one plan never overlap in memory.
+        call is costly (the cpu backend's worker, a busy host). Consecutive layers of one request are one range
+        of its plan; anything else is concatenated. Layers of one plan never overlap in memory.
         """
         if not self._pending_saves:
             return
-        plans, self._pending_saves = self._pending_saves, []
-        after, self._pending_after = self._pending_after, None
-        self.copier.save(plans[0] if len(plans) == 1 else CopyPlan.concat(plans), after)
+        parts, self._pending_saves = self._pending_saves, []
+        after = self.copier.after_compute()  # every pending layer's compute was enqueued before this point
+        plan, begin, end = parts[0]
+        if all(p is plan and a == prev_end for (p, a, _), (_, _, prev_end) in zip(parts[1:], parts)):
+            self.copier.save_range(plan, begin, parts[-1][2], after)
+            return
+        joined = CopyPlan.concat([CopyPlan(p.src[a:b], p.dst[a:b], p.length[a:b]) for p, a, b in parts])
+        self.copier.save_range(joined, 0, len(joined), after)
 
     def wait_for_save(self) -> None:
         """Enqueue the layers no ``save_layer`` covered, then block until every store's copies are done."""
@@ -196,16 +205,27 @@ class OffloadEngine:
     def start_loads(self, requests: Iterable[LoadRequest]) -> dict[str, int]:
         """``start_load`` for several requests at once: one copy per layer covers all of them."""
         jobs = [self._prepare_load(rid, hashes, ids) for rid, hashes, ids in requests]
-        plans: dict[str, CopyPlan] = {}
+        by_group: dict[int, tuple[CopyPlan, list[int]]] = {}
         for g, layers in self._group_layers.items():
             parts = [j.groups[g] for j in jobs if g in j.groups]
             if parts:
                 host_ids = np.concatenate([p.host_ids for p in parts])
                 device_ids = np.concatenate([p.device_ids for p in parts])
-                plans.update(self.copier.load_plans(layers, host_ids, device_ids))
-        for name in self._layer_group:  # model order: layer i's copy is queued before layer i+1's
-            if name in plans:
-                self._layer_events[name] = self.copier.load(plans[name])
+                by_group[g] = self.copier.load_parts(layers, host_ids, device_ids)
+        if len(by_group) == 1:  # one group: its layers are in model order already, its plan goes as it is
+            ((g, (plan, bounds)),) = by_group.items()
+            names = self._group_layers[g]
+        else:  # model order across groups: layer i's copy is queued before layer i+1's
+            names = [n for n in self._layer_group if self._layer_pos[n][0] in by_group]
+            pieces = []
+            for n in names:
+                g, i = self._layer_pos[n]
+                p, b = by_group[g]
+                pieces.append(CopyPlan(p.src[b[i] : b[i + 1]], p.dst[b[i] : b[i + 1]], p.length[b[i] : b[i + 1]]))
+            plan = CopyPlan.concat(pieces)
+            bounds = np.concatenate(([0], np.cumsum([len(p) for p in pieces], dtype=np.int64))).tolist()
+        if names:
+            self._layer_events.update(zip(names, self.copier.load_all(plan, bounds)))
         final = self.copier.mark(self.copier.load_stream)
         out = {}
         for j in jobs:

@@ -31,7 +31,8 @@ class StoreJob:
     request_id: str
     groups: dict[int, GroupBlocks]
     layers_left: set[str]
-    plans: dict[str, CopyPlan] = field(default_factory=dict)  # each layer's D2H, built at start_store
+    # each group's D2H, built at start_store: one plan, and the bounds of each of the group's layers in it
+    plans: dict[int, tuple[CopyPlan, list[int]]] = field(default_factory=dict)
     event: Event | None = None  # after the last enqueued copy, once no layer is left or on abort
     aborted: bool = False
 

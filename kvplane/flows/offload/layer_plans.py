@@ -4,13 +4,17 @@
 layers of DeepSeek-V3 = a few ms per request of Python on the engine's thread, which on the cpu backend also
 holds up the copy worker). ``LayerPlanner`` stacks every (layer, slot) region pair of one KV-cache group into
 arrays of bases and strides, computes all addresses with one broadcast, coalesces them in one pass that never
-merges across a layer boundary, and hands out each layer's plan as views. The plans equal what
+merges across a layer boundary (one C pass, ``plan_blocks`` in ``kvplane/_native/memcpy.c``, where the extension
+is built; numpy otherwise), and hands out the whole plan with each layer's bounds in it (``parts``; the
+engine enqueues it as one batch) or each layer's plan as views (``plans``). The plans equal what
 ``block_copy_plan`` gives for the same ids (tests compare them).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +23,12 @@ from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import PlanError
 
 Ids = npt.NDArray[np.int64]
+
+_native: ModuleType | None
+try:  # the same C extension as the cpu backend's memcpy; without it the numpy passes below do the work
+    _native = importlib.import_module("kvplane._native._memcpy")
+except ImportError:
+    _native = None
 
 
 class LayerPlanner:
@@ -40,17 +50,34 @@ class LayerPlanner:
         self._bytes = np.array([s.block_bytes for s, _ in pairs], dtype=np.int64)[:, None]
         self._src_blocks = min((s.num_blocks for s, _ in pairs), default=0)
         self._dst_blocks = min((d.num_blocks for _, d in pairs), default=0)
-        self._rows = np.cumsum([0] + [len(src[name]) for name in self.layers])  # region rows per layer
+        self._rows = np.cumsum([0] + [len(src[name]) for name in self.layers]).astype(np.int64)  # rows per layer
+        # the same per-row values as flat contiguous arrays, for the native pass
+        self._flat = np.ascontiguousarray(
+            np.stack([self._src_base[:, 0], self._src_stride[:, 0], self._dst_base[:, 0], self._dst_stride[:, 0],
+                      self._bytes[:, 0]]) if pairs else np.zeros((5, 0), dtype=np.int64)
+        )
 
     def plans(self, src_ids: Ids, dst_ids: Ids) -> dict[str, CopyPlan]:
         """Every layer's plan copying block ``src_ids[i]`` into ``dst_ids[i]``, coalesced."""
+        plan, bounds = self.parts(src_ids, dst_ids)
+        return {
+            name: CopyPlan(plan.src[a:b], plan.dst[a:b], plan.length[a:b])
+            for name, a, b in zip(self.layers, bounds[:-1], bounds[1:])
+        }
+
+    def parts(self, src_ids: Ids, dst_ids: Ids) -> tuple[CopyPlan, list[int]]:
+        """All layers' descriptors as one coalesced plan, and ``bounds``: layer ``i`` (in ``self.layers``
+        order) is descriptors ``[bounds[i], bounds[i + 1])``."""
         if src_ids.shape != dst_ids.shape:
             raise PlanError(f"{src_ids.size} source block ids but {dst_ids.size} destination ids; pass equal counts")
         n = src_ids.size
         if n == 0:
-            return {name: CopyPlan.empty() for name in self.layers}
+            return CopyPlan.empty(), [0] * (len(self.layers) + 1)
         self._check("source", src_ids, self._src_blocks)
         self._check("destination", dst_ids, self._dst_blocks)
+        if _native is not None and hasattr(_native, "plan_blocks"):  # an extension built before it had one: numpy
+            return self._parts_native(_native, np.ascontiguousarray(src_ids, np.int64),
+                                      np.ascontiguousarray(dst_ids, np.int64))
         src = (self._src_base + src_ids[None, :] * self._src_stride).ravel()
         dst = (self._dst_base + dst_ids[None, :] * self._dst_stride).ravel()
         length = np.broadcast_to(self._bytes, (self._bytes.shape[0], n)).ravel()
@@ -65,10 +92,15 @@ class LayerPlanner:
         c_src, c_dst = src[starts], dst[starts]
         c_len = (csum[ends] - csum[starts]).astype(np.int64)
         bounds = np.searchsorted(starts, self._rows * n)
-        return {
-            name: CopyPlan(c_src[a:b], c_dst[a:b], c_len[a:b])
-            for name, a, b in zip(self.layers, bounds[:-1].tolist(), bounds[1:].tolist())
-        }
+        return CopyPlan(c_src, c_dst, c_len), bounds.tolist()
+
+    def _parts_native(self, native: ModuleType, src_ids: Ids, dst_ids: Ids) -> tuple[CopyPlan, list[int]]:
+        total = self._bytes.shape[0] * src_ids.size
+        out = np.empty((3, total), dtype=np.int64)
+        bounds = np.empty(len(self.layers) + 1, dtype=np.int64)
+        count = native.plan_blocks(self._flat[0], self._flat[1], self._flat[2], self._flat[3], self._flat[4],
+                                    self._rows, src_ids, dst_ids, out[0], out[1], out[2], bounds)
+        return CopyPlan(out[0, :count], out[1, :count], out[2, :count]), bounds.tolist()
 
     @staticmethod
     def _check(side: str, ids: Ids, num_blocks: int) -> None:
