@@ -28,7 +28,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 init_none_hash(sha256)
@@ -100,6 +100,8 @@ class RealEngine:
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(self.config), block_size=BLOCK)
         self.num_blocks = num_blocks
+        # 0.33 can fail one request of a hybrid model (KVConnectorOutput.failed_recving); 0.27.1 cannot
+        self.fails_hybrid_requests = "failed_recving" in KVConnectorOutput.__dataclass_fields__
         self.tables: dict[str, list[list[int]]] = {}  # per request, per KV-cache group
         self.outputs: dict[str, Any] = {}  # request id -> its final EngineCoreOutput
         self.invalid: set[int] = set()
@@ -199,6 +201,25 @@ class RealEngine:
         self.run_until(lambda: not self.scheduler.has_requests() and
                        self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == self.num_blocks - 1,
                        within_s)
+
+    def abort(self, request_id: str) -> None:
+        """What the engine core does when the client goes away."""
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def assert_nothing_held(self) -> None:
+        """vLLM's own ``assert_scheduler_empty`` checks, then every per-request table of both connector halves."""
+        self.step()  # an empty step: vLLM clears the ids it reported finished
+        s = self.scheduler
+        assert not s.requests and not s.running and len(s.waiting) == 0, list(s.requests)
+        assert not s.finished_req_ids and not s.finished_recving_kv_req_ids and not s.failed_recving_kv_req_ids
+        for manager in s.kv_cache_manager.coordinator.single_type_managers:
+            assert not manager.req_to_blocks and not manager.num_cached_block
+        pool = s.kv_cache_manager.block_pool
+        assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
+        assert all(block.ref_cnt == 0 for block in pool.blocks)
+        assert not s.has_requests()
+        held = {**self.scheduler.connector.scheduler.held_request_ids(), **self.worker.worker.held_request_ids()}
+        assert not any(held.values()), {k: v for k, v in held.items() if v}
 
     def shutdown(self) -> None:
         self.worker.shutdown()

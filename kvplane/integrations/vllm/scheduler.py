@@ -210,6 +210,16 @@ class SchedulerSide:
             kvplane_mode=self.config.mode,  # type: ignore[arg-type]
         ).to_dict()
 
+    def held_request_ids(self) -> dict[str, set[str]]:
+        """Every per-request table, by name: all empty once every request has ended (the tests check it)."""
+        return {
+            "scheduler.requests": set(self._requests), "scheduler.block_ids": set(self._block_ids),
+            "scheduler.stored": set(self._stored), "scheduler.matched": set(self._matched),
+            "scheduler.int_hashes": {rid for rid, _ in self._int_hashes},
+            "scheduler.layerwise_started": set(self._layerwise_started),
+            "scheduler.receiving": set(self._receiving), "scheduler.sending": set(self._sending),
+        }
+
     def has_pending_push_work(self) -> bool:
         return self.config.mode in ("push", "layerwise") and bool(self._sending)
 

@@ -187,6 +187,14 @@ class WorkerSide:
         self.counters["load_error_blocks"] += len(errors)
         return errors
 
+    def held_request_ids(self) -> dict[str, set[str]]:
+        """Every per-request table, by name: all empty once every request has ended (the tests check it)."""
+        return {
+            "worker.aborted_receives": set(self._aborted_receives),
+            "worker.failed_receives": {c.request_id for c in self._failed_receives},
+            "worker.by_transfer_id": set(self._by_transfer_id.values()),
+        }
+
     def stats(self) -> dict[str, int]:
         """The counters since the last call (vLLM sums them over workers and intervals)."""
         out, self.counters = self.counters, dict.fromkeys(self.counters, 0)
