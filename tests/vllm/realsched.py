@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -32,6 +33,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 init_none_hash(sha256)
+# vLLM 0.33's runner starts loads after the forward unless the step has a sync load (0.27.1: always before)
+STARTS_LOADS_AFTER_FORWARD = "has_sync_kv_loads" in SchedulerOutput.__dataclass_fields__
 BLOCK = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 TINY_LLAMA = {
@@ -101,10 +104,11 @@ class RealEngine:
                                    structured_output_manager=StructuredOutputManager(self.config), block_size=BLOCK)
         self.num_blocks = num_blocks
         # 0.33 can fail one request of a hybrid model (KVConnectorOutput.failed_recving); 0.27.1 cannot
-        self.fails_hybrid_requests = "failed_recving" in KVConnectorOutput.__dataclass_fields__
+        self.fails_hybrid_requests = STARTS_LOADS_AFTER_FORWARD  # both arrived in 0.33 (KVConnectorOutput.failed_recving)
         self.tables: dict[str, list[list[int]]] = {}  # per request, per KV-cache group
         self.outputs: dict[str, Any] = {}  # request id -> its final EngineCoreOutput
         self.invalid: set[int] = set()
+        self.failed: set[str] = set()  # requests reported in failed_recving
         self.digests: dict[str, str] = {}
         self.first_computed: dict[str, int] = {}  # the first token this instance computed, per request
         self.starts: dict[str, list[int]] = {}  # the first token of every forward a request was in
@@ -128,34 +132,16 @@ class RealEngine:
             elif blocks:
                 for table, more in zip(self.tables[rid], blocks):
                     table.extend(more)
-        self.worker.bind_connector_metadata(so.kv_connector_metadata)
-        self.worker.start_load_kv(None)
-        spans = []
-        for new in so.scheduled_new_reqs:
-            spans.append((new.req_id, new.num_computed_tokens))
-        for i, rid in enumerate(cached.req_ids):
-            spans.append((rid, cached.num_computed_tokens[i]))
-        if so.total_num_scheduled_tokens:
-            for li, name in enumerate(LAYERS):
-                self.worker.wait_for_layer_load(name)
-                for rid, start in spans:
-                    tokens = self.scheduler.requests[rid].all_token_ids
-                    for p in range(start, start + so.num_scheduled_tokens[rid]):
-                        value = MiniEngine.kv_value(tokens[p], p, li)
-                        block = self.tables[rid][self.group_of[name]][p // BLOCK]
-                        self.caches[name][0, block, p % BLOCK] = value
-                        self.caches[name][1, block, p % BLOCK] = -value
-                self.worker.save_kv_layer(name, self.caches[name], None)
-            self.worker.wait_for_save()
+        spans = [(new.req_id, new.num_computed_tokens) for new in so.scheduled_new_reqs]
+        spans += [(rid, cached.num_computed_tokens[i]) for i, rid in enumerate(cached.req_ids)]
+        kv_output = self.run_model(so, spans)
         for rid, start in spans:  # the request's KV as it stands after this forward
             self.first_computed.setdefault(rid, start)
             self.starts.setdefault(rid, []).append(start)
             n = start + so.num_scheduled_tokens[rid]
             self.digests[rid] = self.digest(rid, n)
-        sending, recving = self.worker.get_finished(so.finished_req_ids)
-        invalid = self.worker.get_block_ids_with_load_errors()
-        self.invalid |= invalid
-        self.worker.clear_connector_metadata()
+        self.invalid |= kv_output.invalid_block_ids
+        self.failed |= getattr(kv_output, "failed_recving", set())
         req_ids = [rid for rid, _ in spans]
         output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -163,13 +149,58 @@ class RealEngine:
                 [7] if start + so.num_scheduled_tokens[rid] >= self.scheduler.requests[rid].num_prompt_tokens else []
                 for rid, start in spans
             ],
-            kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                                  invalid_block_ids=invalid),
+            kv_connector_output=kv_output,
         )
         for engine_outputs in self.scheduler.update_from_output(so, output).values():
             for out in engine_outputs.outputs:
                 if out.finish_reason is not None:
                     self.outputs[out.request_id] = out
+
+    def run_model(self, so: Any, spans: list[tuple[str, int]]) -> KVConnectorOutput:
+        """The GPU model runner's connector calls, in the installed vLLM's order: ``_get_kv_connector_output`` in
+        ``vllm/v1/worker/kv_connector_model_runner_mixin.py`` (0.27.1 lines 83-112: ``start_load_kv`` before the
+        forward; 0.33.0 lines 68-105: after it unless ``has_sync_kv_loads``, then ``get_transfer_results``), entered
+        by ``gpu_model_runner.py`` (0.27.1 line 4445, 0.33.0 line 4168); a step with no tokens goes through
+        ``kv_connector_no_forward`` (0.27.1 line 4234, no ``wait_for_save``; 0.33.0 line 3971). The forward calls
+        ``wait_for_layer_load`` / ``save_kv_layer`` in every attention layer."""
+        worker = self.worker
+        output = KVConnectorOutput()
+        worker.bind_connector_metadata(so.kv_connector_metadata)
+        after_forward = STARTS_LOADS_AFTER_FORWARD and not so.has_sync_kv_loads
+        if not after_forward:
+            worker.start_load_kv(None)
+        if so.total_num_scheduled_tokens:
+            self.forward(so, spans)
+        if after_forward:
+            worker.start_load_kv(None)
+        if so.total_num_scheduled_tokens or STARTS_LOADS_AFTER_FORWARD:
+            worker.wait_for_save()
+        if STARTS_LOADS_AFTER_FORWARD:
+            results = worker.get_transfer_results(so.finished_req_ids)
+            output.finished_sending = results.finished_sending or None
+            output.finished_recving = results.finished_recving or None
+            output.failed_recving = results.failed_recving
+        else:
+            output.finished_sending, output.finished_recving = worker.get_finished(so.finished_req_ids)
+        output.invalid_block_ids = worker.get_block_ids_with_load_errors()
+        output.kv_connector_stats = worker.get_kv_connector_stats()
+        output.kv_connector_worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        return output
+
+    def forward(self, so: Any, spans: list[tuple[str, int]]) -> None:
+        """The played model: every attention layer waits for its load, writes ``MiniEngine.kv_value`` for every
+        scheduled token into the paged cache, then hands the layer to the connector."""
+        for li, name in enumerate(LAYERS):
+            self.worker.wait_for_layer_load(name)
+            for rid, start in spans:
+                tokens = self.scheduler.requests[rid].all_token_ids
+                for p in range(start, start + so.num_scheduled_tokens[rid]):
+                    value = MiniEngine.kv_value(tokens[p], p, li)
+                    block = self.tables[rid][self.group_of[name]][p // BLOCK]
+                    self.caches[name][0, block, p % BLOCK] = value
+                    self.caches[name][1, block, p % BLOCK] = -value
+            self.worker.save_kv_layer(name, self.caches[name], None)
 
     def digest(self, rid: str, num_tokens: int) -> str:
         tokens = self.scheduler.requests[rid].all_token_ids if rid in self.scheduler.requests else []
@@ -211,12 +242,14 @@ class RealEngine:
         self.step()  # an empty step: vLLM clears the ids it reported finished
         s = self.scheduler
         assert not s.requests and not s.running and len(s.waiting) == 0, list(s.requests)
-        assert not s.finished_req_ids and not s.finished_recving_kv_req_ids and not s.failed_recving_kv_req_ids
+        assert not s.finished_req_ids and not s.finished_recving_kv_req_ids and not s.failed_recving_kv_req_ids, (
+            s.finished_req_ids, s.finished_recving_kv_req_ids, s.failed_recving_kv_req_ids)
         for manager in s.kv_cache_manager.coordinator.single_type_managers:
             assert not manager.req_to_blocks and not manager.num_cached_block
         pool = s.kv_cache_manager.block_pool
         assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
-        assert all(block.ref_cnt == 0 for block in pool.blocks)
+        # vLLM's null block stands in for out-of-window blocks of a sliding-window group: its count means nothing
+        assert [b.block_id for b in pool.blocks if b.ref_cnt and not b.is_null] == []
         assert not s.has_requests()
         held = {**self.scheduler.connector.scheduler.held_request_ids(), **self.worker.worker.held_request_ids()}
         assert not any(held.values()), {k: v for k, v in held.items() if v}

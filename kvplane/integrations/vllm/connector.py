@@ -4,7 +4,8 @@ vLLM builds it twice from the same ``--kv-transfer-config``: once in the schedul
 (``KVConnectorRole.SCHEDULER``: ``SchedulerSide``) and once in every worker (``WORKER``: ``WorkerSide``). This
 class only routes each of vLLM's calls to the half that owns it; ``scheduler.py`` and ``worker.py`` say what
 happens and in which order vLLM calls them. Load failures are reported block by block through
-``get_block_ids_with_load_errors``; vLLM's scheduler applies ``kv_load_failure_policy`` (fail or recompute).
+``get_block_ids_with_load_errors`` when the model has one KV-cache group, and by request otherwise (see
+``compat``); vLLM's scheduler applies ``kv_load_failure_policy`` (fail or recompute).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from kvplane.integrations.vllm.compat import (
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
+    transfer_results,
 )
 from kvplane.integrations.vllm.config import ConnectorConfig
-from kvplane.integrations.vllm.metadata import KVPlaneMetadata
+from kvplane.integrations.vllm.metadata import KVPlaneMetadata, KVPlaneWorkerMeta
 from kvplane.integrations.vllm.scheduler import SchedulerSide
 from kvplane.integrations.vllm.stats import KVPlaneStats
 from kvplane.integrations.vllm.worker import WorkerSide
@@ -104,8 +106,19 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving = self.worker.get_finished()
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Where vLLM asks for it (``compat.REPORTS_FAILED_RECEIVES_BY_REQUEST``): failed receives by request id."""
+        sending, recving = self.worker.get_finished()
+        return transfer_results(sending, recving, self.worker.take_failed_requests())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVPlaneWorkerMeta | None:
+        """Failed receives that ``get_transfer_results`` did not take (a vLLM without it) go to the scheduler
+        side this way."""
+        failed = self.worker.take_failed_requests() if self._worker is not None else set()
+        return KVPlaneWorkerMeta(failed) if failed else None
 
     def get_kv_connector_stats(self) -> KVPlaneStats | None:
         return KVPlaneStats(data=self.worker.stats()) if self._worker is not None else None

@@ -10,6 +10,7 @@ requests, blocks and scheduler outputs are read by attribute.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigErr
 from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, lookup_address
 from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
 
+logger = logging.getLogger("kvplane.vllm")
 NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 NULL_BLOCK = 0  # vLLM's placeholder block (BlockPool.null_block): sliding-window groups hold it out of the window
 RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)  # vLLM appends it to every external request id
@@ -50,6 +52,7 @@ class SchedulerSide:
         self._int_hashes: dict[tuple[str, int], list[int]] = {}
         self._layerwise_started: set[str] = set()
         self._receiving: set[str] = set()
+        self._aborting: set[str] = set()  # finished while its KV was arriving: vLLM delayed the free
         self._sending: set[str] = set()
         self._meta = KVPlaneMetadata()
 
@@ -161,10 +164,32 @@ class SchedulerSide:
             self._meta.stores.append(_real_blocks(rid, hashes, block_ids))
 
     def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' completions; vLLM frees a finished request's blocks on the first of them it sees."""
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        for rid in getattr(worker_meta, "failed_receives", ()):
+            self._restart_failed_receive(rid)
         for rid in connector_output.finished_sending or ():
             self._sending.discard(rid)
+            self._aborting.discard(rid)
         for rid in connector_output.finished_recving or ():
             self._receiving.discard(rid)
+            if rid in self._aborting:  # it ended before the abort reached the worker: nothing left to abort
+                self._aborting.discard(rid)
+                if rid in self._meta.aborts:
+                    self._meta.aborts.remove(rid)
+
+    def _restart_failed_receive(self, rid: str) -> None:
+        """A receive of a hybrid model failed on a vLLM that takes failures only as block ids (which it cannot
+        map to a request when there are several KV-cache groups): the request recomputes its prompt."""
+        request = self._requests.get(rid)
+        if request is None or rid not in self._receiving:
+            return
+        request.num_computed_tokens = 0  # vLLM then treats the receive as done and schedules the whole prompt
+        logger.warning(
+            "kvplane: the KV of request %s failed to arrive; this vLLM cannot fail one request of a model with "
+            "%d KV-cache groups, so it recomputes the prompt whatever kv_load_failure_policy says", rid,
+            len(self.block_sizes),
+        )
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -175,8 +200,9 @@ class SchedulerSide:
         started = rid in self._layerwise_started
         self._layerwise_started.discard(rid)
         if rid in self._receiving:  # the KV is still arriving: free once nothing can write the blocks
+            self._receiving.discard(rid)
+            self._aborting.add(rid)
             self._meta.aborts.append(rid)
-            self._sending.add(rid)
             return True, None
         params = request.kv_transfer_params or {}
         if not (self.config.is_prefill and params.get("do_remote_decode")):
@@ -217,11 +243,12 @@ class SchedulerSide:
             "scheduler.stored": set(self._stored), "scheduler.matched": set(self._matched),
             "scheduler.int_hashes": {rid for rid, _ in self._int_hashes},
             "scheduler.layerwise_started": set(self._layerwise_started),
-            "scheduler.receiving": set(self._receiving), "scheduler.sending": set(self._sending),
+            "scheduler.receiving": set(self._receiving), "scheduler.aborting": set(self._aborting),
+            "scheduler.sending": set(self._sending),
         }
 
     def has_pending_push_work(self) -> bool:
-        return self.config.mode in ("push", "layerwise") and bool(self._sending)
+        return self.config.mode in ("push", "layerwise") and bool(self._sending or self._aborting)
 
     def shutdown(self) -> None:
         if self.lookup is not None:

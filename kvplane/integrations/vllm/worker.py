@@ -43,7 +43,11 @@ class WorkerSide:
         self.lookup_server: LookupServer | None = None
         self._lock = threading.Lock()  # the offload engine is single-threaded; the lookup server shares it
         self._load_errors: set[int] = set()
+        self._receiving: set[str] = set()  # receives started and not yet reported
         self._aborted_receives: set[str] = set()
+        self._failed_requests: set[str] = set()  # failed receives to report by request id (several KV-cache groups)
+        # vLLM maps failed block ids back to requests only when there is one KV-cache group
+        self.failures_by_request = len(getattr(kv_cache_config, "kv_cache_groups", ())) > 1
         self._failed_receives: list[Completion] = []
         self._by_transfer_id: dict[str, str] = {}  # prefill: the id decode knows -> vLLM's request id
         self._pushing_layers = False  # this step's forward completes a layer-wise request's prompt
@@ -121,6 +125,7 @@ class WorkerSide:
             else:
                 self.decode.register_push(r.request_id, r.params, r.block_ids, r.num_tokens)
             self.counters["receives"] += 1
+            self._receiving.add(r.request_id)
         except KvplaneError as e:  # malformed params: the request recomputes (or fails) by vLLM's policy
             logger.warning("kvplane: request %s cannot receive KV: %s", r.request_id, e)
             failed = {g: tuple(ids) for g, ids in r.block_ids.items()}
@@ -133,7 +138,7 @@ class WorkerSide:
         if self.prefill is not None:
             tid = next((t for t, r in self._by_transfer_id.items() if r == rid), rid)
             self.prefill.abort(tid)
-        if self.decode is not None:
+        if self.decode is not None and rid in self._receiving:  # else already reported: nothing to drain
             self._aborted_receives.add(rid)
             self.decode.abort(rid)
 
@@ -168,16 +173,25 @@ class WorkerSide:
         if self.decode is not None:
             completions.extend(self.decode.get_finished())
         for c in completions:
-            if not c.ok:
-                self.counters["failed_receives"] += 1
-                self._load_errors.update(c.all_failed_block_ids())
-                logger.warning("kvplane: request %s ended %s: %s", c.request_id, c.state, c.reason)
+            self._receiving.discard(c.request_id)
             if c.request_id in self._aborted_receives:
                 self._aborted_receives.discard(c.request_id)
                 sending.add(c.request_id)  # vLLM was told to wait for it as a delayed free
-            else:
-                recving.add(c.request_id)
+                continue
+            if not c.ok:
+                self.counters["failed_receives"] += 1
+                logger.warning("kvplane: request %s ended %s: %s", c.request_id, c.state, c.reason)
+                if self.failures_by_request:
+                    self._failed_requests.add(c.request_id)
+                else:
+                    self._load_errors.update(c.all_failed_block_ids())
+            recving.add(c.request_id)
         return sending, recving
+
+    def take_failed_requests(self) -> set[str]:
+        """Receives that failed, by request id (reported with ``get_finished``'s receives, or by the next call)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -190,7 +204,8 @@ class WorkerSide:
     def held_request_ids(self) -> dict[str, set[str]]:
         """Every per-request table, by name: all empty once every request has ended (the tests check it)."""
         return {
-            "worker.aborted_receives": set(self._aborted_receives),
+            "worker.receiving": set(self._receiving), "worker.aborted_receives": set(self._aborted_receives),
+            "worker.failed_requests": set(self._failed_requests),
             "worker.failed_receives": {c.request_id for c in self._failed_receives},
             "worker.by_transfer_id": set(self._by_transfer_id.values()),
         }
