@@ -14,6 +14,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
@@ -68,9 +70,12 @@ def reference_digest(tokens: list[int], num_tokens: int, window: int = 0) -> str
 class RealEngine:
     def __init__(self, model_dir: str, extra: dict[str, Any], kv_role: str = "kv_both", *,
                  policy: str = "recompute", num_blocks: int = 64, engine_id: str | None = None,
-                 max_batched_tokens: int = 512, prefix_caching: bool = False, sliding_window: int = 0) -> None:
+                 max_batched_tokens: int = 512, prefix_caching: bool = False, sliding_window: int = 0,
+                 async_scheduling: bool = False) -> None:
         """``sliding_window`` > 0: a hybrid model, layer 0 full attention, layer 1 a sliding window of that many
-        tokens, in two KV-cache groups (vLLM's hybrid allocator, ``request_finished_all_groups``)."""
+        tokens, in two KV-cache groups (vLLM's hybrid allocator, ``request_finished_all_groups``).
+        ``async_scheduling``: vLLM's ``AsyncScheduler``, stepped as the engine core's batch queue does (step N+1
+        is scheduled before step N runs; vLLM's CPU platform turns async scheduling off, so it is forced on)."""
         transfer = KVTransferConfig(
             kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm", kv_role=kv_role,
             kv_connector_extra_config=extra, kv_load_failure_policy=policy,
@@ -100,13 +105,16 @@ class RealEngine:
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
         self.caches = {name: torch.zeros((2, num_blocks, BLOCK, HEADS, HEAD_DIM)) for name in LAYERS}
         self.worker.register_kv_caches(self.caches)
-        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
+        self.config.scheduler_config.async_scheduling = async_scheduling
+        self.inflight: deque[Any] | None = deque() if async_scheduling else None
+        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(self.config), block_size=BLOCK)
         self.num_blocks = num_blocks
         # 0.33 can fail one request of a hybrid model (KVConnectorOutput.failed_recving); 0.27.1 cannot
         self.fails_hybrid_requests = STARTS_LOADS_AFTER_FORWARD  # both arrived in 0.33 (KVConnectorOutput.failed_recving)
         self.tables: dict[str, list[list[int]]] = {}  # per request, per KV-cache group
         self.outputs: dict[str, Any] = {}  # request id -> its final EngineCoreOutput
+        self.requests: dict[str, Request] = {}
         self.invalid: set[int] = set()
         self.failed: set[str] = set()  # requests reported in failed_recving
         self.digests: dict[str, str] = {}
@@ -115,13 +123,22 @@ class RealEngine:
 
     def add(self, request_id: str, prompt: list[int], params: dict[str, Any] | None = None, max_tokens: int = 1) -> None:
         extra = {"kv_transfer_params": params} if params is not None else None
-        self.scheduler.add_request(Request(
-            request_id, list(prompt), SamplingParams(max_tokens=max_tokens, extra_args=extra), None,
-            block_hasher=get_request_block_hasher(BLOCK, sha256),
-        ))
+        request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, extra_args=extra), None,
+                          block_hasher=get_request_block_hasher(BLOCK, sha256))
+        self.requests[request_id] = request  # kept: an async step may run after vLLM dropped the request
+        self.scheduler.add_request(request)
 
     def step(self) -> None:
         so = self.scheduler.schedule()
+        self._track_blocks(so)
+        if self.inflight is not None:  # the batch queue: run the step scheduled before this one
+            self.inflight.append(so)
+            if len(self.inflight) < 2:
+                return
+            so = self.inflight.popleft()
+        self._execute(so)
+
+    def _track_blocks(self, so: Any) -> None:
         for new in so.scheduled_new_reqs:
             self.tables[new.req_id] = [list(g) for g in new.block_ids]
         cached = so.scheduled_cached_reqs
@@ -132,6 +149,9 @@ class RealEngine:
             elif blocks:
                 for table, more in zip(self.tables[rid], blocks):
                     table.extend(more)
+
+    def _execute(self, so: Any) -> None:
+        cached = so.scheduled_cached_reqs
         spans = [(new.req_id, new.num_computed_tokens) for new in so.scheduled_new_reqs]
         spans += [(rid, cached.num_computed_tokens[i]) for i, rid in enumerate(cached.req_ids)]
         kv_output = self.run_model(so, spans)
@@ -146,7 +166,7 @@ class RealEngine:
         output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=[  # a chunk that leaves part of the prompt for later samples nothing
-                [7] if start + so.num_scheduled_tokens[rid] >= self.scheduler.requests[rid].num_prompt_tokens else []
+                [7] if start + so.num_scheduled_tokens[rid] >= self.requests[rid].num_prompt_tokens else []
                 for rid, start in spans
             ],
             kv_connector_output=kv_output,
@@ -194,7 +214,7 @@ class RealEngine:
         for li, name in enumerate(LAYERS):
             self.worker.wait_for_layer_load(name)
             for rid, start in spans:
-                tokens = self.scheduler.requests[rid].all_token_ids
+                tokens = self.requests[rid].all_token_ids
                 for p in range(start, start + so.num_scheduled_tokens[rid]):
                     value = MiniEngine.kv_value(tokens[p], p, li)
                     block = self.tables[rid][self.group_of[name]][p // BLOCK]
@@ -203,7 +223,7 @@ class RealEngine:
             self.worker.save_kv_layer(name, self.caches[name], None)
 
     def digest(self, rid: str, num_tokens: int) -> str:
-        tokens = self.scheduler.requests[rid].all_token_ids if rid in self.scheduler.requests else []
+        tokens = self.requests[rid].all_token_ids if rid in self.requests else []
         h = hashlib.sha256()
         for name in LAYERS:
             for p in range(min(num_tokens, len(tokens))):
@@ -240,6 +260,8 @@ class RealEngine:
     def assert_nothing_held(self) -> None:
         """vLLM's own ``assert_scheduler_empty`` checks, then every per-request table of both connector halves."""
         self.step()  # an empty step: vLLM clears the ids it reported finished
+        while self.inflight:
+            self._execute(self.inflight.popleft())
         s = self.scheduler
         assert not s.requests and not s.running and len(s.waiting) == 0, list(s.requests)
         assert not s.finished_req_ids and not s.finished_recving_kv_req_ids and not s.failed_recving_kv_req_ids, (

@@ -1,7 +1,8 @@
 """The scheduler-side half of the connector: decides what each step loads, stores, receives and sends.
 
-Called by vLLM's scheduler, in this order per request: ``get_num_new_matched_tokens`` (side-effect free: a
-lookup in the worker's host tier, or the token count a remote prefill holds), ``update_state_after_alloc``
+Called by vLLM's scheduler, in this order per request: ``get_num_new_matched_tokens`` (a lookup in the
+worker's host tier, whose answer the worker holds for the request until it loads, ends or asks again: see
+``holds.py``; or the token count a remote prefill holds), ``update_state_after_alloc``
 (records the blocks), ``build_connector_meta`` once per step (hands the step's work to the workers),
 ``update_connector_output`` (what the workers finished), ``request_finished_all_groups`` (returns
 ``kv_transfer_params`` and keeps a prefill's blocks until the workers report them). No vLLM import here:
@@ -51,6 +52,7 @@ class SchedulerSide:
         self._matched: dict[str, int] = {}  # local prefix tokens seen by the last lookup
         self._int_hashes: dict[tuple[str, int], list[int]] = {}
         self._layerwise_started: set[str] = set()
+        self._held: set[str] = set()  # a lookup promised blocks the worker holds, and no load was queued yet
         self._receiving: set[str] = set()
         self._aborting: set[str] = set()  # finished while its KV was arriving: vLLM delayed the free
         self._sending: set[str] = set()
@@ -91,7 +93,10 @@ class SchedulerSide:
         if limit <= num_computed_tokens:
             return 0, False
         hashes = {g: self._hashes(request, g)[: limit // bs] for g, bs in self.block_sizes.items()}
-        hit = min(self.lookup.tokens(hashes), limit) // self.step_tokens * self.step_tokens
+        answer = self.lookup.hold(request.request_id, hashes, self.block_sizes)
+        if answer > 0:
+            self._held.add(request.request_id)  # the worker holds the blocks until load, release or a new lookup
+        hit = min(answer, limit) // self.step_tokens * self.step_tokens
         self._matched[request.request_id] = num_computed_tokens
         return (hit - num_computed_tokens, False) if hit > num_computed_tokens else (0, False)
 
@@ -108,6 +113,10 @@ class SchedulerSide:
                 self._meta.receives.append(Receive(rid, dict(params), self._blocks_for(ids, num_tokens), num_tokens))
                 self._receiving.add(rid)
             return
+        if rid in self._held:  # the load below ends the hold on the worker; without one, release it
+            self._held.discard(rid)
+            if not (num_external_tokens > 0 and self.lookup is not None):
+                self._meta.released.append(rid)
         if num_external_tokens > 0 and self.lookup is not None:
             start = self._matched.pop(rid, 0)
             end = start + num_external_tokens
@@ -197,6 +206,9 @@ class SchedulerSide:
             table.pop(rid, None)
         for g in self.block_sizes:
             self._int_hashes.pop((rid, g), None)
+        if rid in self._held:
+            self._held.discard(rid)
+            self._meta.released.append(rid)
         started = rid in self._layerwise_started
         self._layerwise_started.discard(rid)
         if rid in self._receiving:  # the KV is still arriving: free once nothing can write the blocks
@@ -242,7 +254,7 @@ class SchedulerSide:
             "scheduler.requests": set(self._requests), "scheduler.block_ids": set(self._block_ids),
             "scheduler.stored": set(self._stored), "scheduler.matched": set(self._matched),
             "scheduler.int_hashes": {rid for rid, _ in self._int_hashes},
-            "scheduler.layerwise_started": set(self._layerwise_started),
+            "scheduler.layerwise_started": set(self._layerwise_started), "scheduler.held": set(self._held),
             "scheduler.receiving": set(self._receiving), "scheduler.aborting": set(self._aborting),
             "scheduler.sending": set(self._sending),
         }

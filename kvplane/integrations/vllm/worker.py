@@ -20,6 +20,7 @@ from kvplane.flows.disagg import Completion, DecodeSide, PrefillSide
 from kvplane.flows.offload import OffloadEngine
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.device import select_backend
+from kvplane.integrations.vllm.holds import LookupHolds
 from kvplane.integrations.vllm.lookup import LookupServer, lookup_address
 from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Receive, Send
 from kvplane.integrations.vllm.spec import layouts_for, spec_from_vllm
@@ -41,6 +42,7 @@ class WorkerSide:
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self.lookup_server: LookupServer | None = None
+        self.holds: LookupHolds | None = None  # rank 0: host blocks promised by lookups
         self._lock = threading.Lock()  # the offload engine is single-threaded; the lookup server shares it
         self._load_errors: set[int] = set()
         self._receiving: set[str] = set()  # receives started and not yet reported
@@ -64,8 +66,9 @@ class WorkerSide:
             self.offload = OffloadEngine(backend, self.spec, kv_caches, self.config.offload, layouts=layouts,
                                          tp_rank=self.tp_rank, tp_size=self.config.tp_size)
             if self.tp_rank == 0:
+                self.holds = LookupHolds(self.offload)
                 self.lookup_server = LookupServer(
-                    lookup_address(self.config.engine_id, self.dp_rank), self.offload.lookup, self._lock
+                    lookup_address(self.config.engine_id, self.dp_rank), self.holds.hold, self._lock
                 )
         if self.config.is_prefill:
             self.prefill = PrefillSide(backend, self.spec, kv_caches, self.config.disagg_for(self.tp_rank),
@@ -78,7 +81,7 @@ class WorkerSide:
     def start_load_kv(self, meta: KVPlaneMetadata) -> None:
         for rid in meta.aborts:
             self._abort(rid)
-        if self.offload is not None and (meta.loads or meta.stores):
+        if self.offload is not None and (meta.loads or meta.stores or meta.released):
             with self._lock:
                 self._offload(self.offload, meta)
         for receive in meta.receives:
@@ -97,7 +100,8 @@ class WorkerSide:
         return tid
 
     def _offload(self, offload: OffloadEngine, meta: KVPlaneMetadata) -> None:
-        """Loads, then stores; a load kvplane refuses fails its blocks, a refused store is skipped (a later miss)."""
+        """Loads, then stores; a load kvplane refuses fails its blocks, a refused store is skipped (a later miss).
+        A lookup's hold ends once its load holds the blocks itself, or when the scheduler releases it."""
         if meta.loads:
             try:
                 offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads])
@@ -105,6 +109,9 @@ class WorkerSide:
             except KvplaneError as e:
                 logger.warning("kvplane: offload loads refused, their blocks will be recomputed: %s", e)
                 self._load_errors.update(b for j in meta.loads for ids in j.block_ids.values() for b in ids)
+        if self.holds is not None:
+            for rid in [j.request_id for j in meta.loads] + meta.released:
+                self.holds.release(rid)
         for job in meta.stores:
             try:
                 offload.start_store(job.request_id, job.hashes, job.block_ids)
@@ -135,6 +142,8 @@ class WorkerSide:
         if self.offload is not None:
             with self._lock:
                 self.offload.abort(rid)
+                if self.holds is not None:
+                    self.holds.release(rid)
         if self.prefill is not None:
             tid = next((t for t, r in self._by_transfer_id.items() if r == rid), rid)
             self.prefill.abort(tid)
@@ -206,6 +215,7 @@ class WorkerSide:
         return {
             "worker.receiving": set(self._receiving), "worker.aborted_receives": set(self._aborted_receives),
             "worker.failed_requests": set(self._failed_requests),
+            "worker.lookup_holds": self.holds.held_request_ids() if self.holds is not None else set(),
             "worker.failed_receives": {c.request_id for c in self._failed_receives},
             "worker.by_transfer_id": set(self._by_transfer_id.values()),
         }
@@ -225,6 +235,7 @@ class WorkerSide:
         if self.lookup_server is not None:
             self.lookup_server.close()
             self.lookup_server = None
+        self.holds = None
         for side in (self.prefill, self.decode):
             if side is not None:
                 side.close()
