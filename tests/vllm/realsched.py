@@ -115,6 +115,7 @@ class RealEngine:
         self.tables: dict[str, list[list[int]]] = {}  # per request, per KV-cache group
         self.outputs: dict[str, Any] = {}  # request id -> its final EngineCoreOutput
         self.requests: dict[str, Request] = {}
+        self.timeline: list[tuple[str, str]] = []  # ("step", ""), ("forward", layer), and what tests add
         self.invalid: set[int] = set()
         self.failed: set[str] = set()  # requests reported in failed_recving
         self.digests: dict[str, str] = {}
@@ -185,6 +186,7 @@ class RealEngine:
         ``wait_for_layer_load`` / ``save_kv_layer`` in every attention layer."""
         worker = self.worker
         output = KVConnectorOutput()
+        self.timeline.append(("step", ""))
         worker.bind_connector_metadata(so.kv_connector_metadata)
         after_forward = STARTS_LOADS_AFTER_FORWARD and not so.has_sync_kv_loads
         if not after_forward:
@@ -212,6 +214,7 @@ class RealEngine:
         """The played model: every attention layer waits for its load, writes ``MiniEngine.kv_value`` for every
         scheduled token into the paged cache, then hands the layer to the connector."""
         for li, name in enumerate(LAYERS):
+            self.timeline.append(("forward", name))
             self.worker.wait_for_layer_load(name)
             for rid, start in spans:
                 tokens = self.requests[rid].all_token_ids

@@ -87,6 +87,20 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVPlaneMetadata):
+            self._worker.begin_step(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.end_step()
+
+    def finish_forward(self) -> None:
+        """vLLM 0.33's model runner: the forward no longer reads this step's KV (nothing kvplane must wait for:
+        stores and pushes started during the forward, see ``WorkerSide.save_kv_layer``)."""
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVPlaneMetadata):

@@ -53,6 +53,8 @@ class WorkerSide:
         self._failed_receives: list[Completion] = []
         self._by_transfer_id: dict[str, str] = {}  # prefill: the id decode knows -> vLLM's request id
         self._pushing_layers = False  # this step's forward completes a layer-wise request's prompt
+        self._step: KVPlaneMetadata | None = None  # bound for the step now running
+        self._saves_started = False
         self.counters = {"loads": 0, "stores": 0, "receives": 0, "sends": 0, "failed_receives": 0,
                          "load_error_blocks": 0}
 
@@ -78,18 +80,39 @@ class WorkerSide:
                                      layouts=layouts)
 
     # -- per step -----------------------------------------------------------------------------------------
-    def start_load_kv(self, meta: KVPlaneMetadata) -> None:
-        for rid in meta.aborts:
-            self._abort(rid)
-        if self.offload is not None and (meta.loads or meta.stores or meta.released):
+    def begin_step(self, meta: KVPlaneMetadata) -> None:
+        """vLLM bound this step's metadata (before the forward, in every vLLM): nothing started yet."""
+        self._step, self._saves_started = meta, False
+        self._pushing_layers = False
+
+    def end_step(self) -> None:
+        self._step = None
+
+    def _start_saves(self, meta: KVPlaneMetadata) -> None:
+        """Open this step's stores and layer-wise pushes, once: from ``start_load_kv`` where vLLM calls it before
+        the forward, else from the first ``save_kv_layer`` (vLLM 0.33 calls ``start_load_kv`` after the forward
+        unless the step loads synchronously), so that every layer's copy starts as soon as the layer is done."""
+        if self._saves_started:
+            return
+        self._saves_started = True
+        if self.offload is not None and meta.stores:
             with self._lock:
-                self._offload(self.offload, meta)
-        for receive in meta.receives:
-            self._receive(receive)
+                self._store(self.offload, meta)
         self._pushing_layers = bool(meta.layerwise)
         if self.prefill is not None:
             for send in meta.layerwise:
                 self.prefill.start_request(self._transfer_id(send), send.block_ids, send.num_tokens)
+
+    def start_load_kv(self, meta: KVPlaneMetadata) -> None:
+        for rid in meta.aborts:
+            self._abort(rid)
+        if self.offload is not None and (meta.loads or meta.released):
+            with self._lock:
+                self._load(self.offload, meta)
+        self._start_saves(meta)  # after the loads: a store must not take host blocks a load of this step reads
+        for receive in meta.receives:
+            self._receive(receive)
+        if self.prefill is not None:
             for send in meta.sends:
                 self.prefill.request_finished(self._transfer_id(send), send.block_ids, send.num_tokens)
                 self.counters["sends"] += 1
@@ -99,9 +122,9 @@ class WorkerSide:
         self._by_transfer_id[tid] = send.request_id
         return tid
 
-    def _offload(self, offload: OffloadEngine, meta: KVPlaneMetadata) -> None:
-        """Loads, then stores; a load kvplane refuses fails its blocks, a refused store is skipped (a later miss).
-        A lookup's hold ends once its load holds the blocks itself, or when the scheduler releases it."""
+    def _load(self, offload: OffloadEngine, meta: KVPlaneMetadata) -> None:
+        """A load kvplane refuses fails its blocks. A lookup's hold ends once its load holds the blocks itself,
+        or when the scheduler releases it."""
         if meta.loads:
             try:
                 offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads])
@@ -112,6 +135,9 @@ class WorkerSide:
         if self.holds is not None:
             for rid in [j.request_id for j in meta.loads] + meta.released:
                 self.holds.release(rid)
+
+    def _store(self, offload: OffloadEngine, meta: KVPlaneMetadata) -> None:
+        """A store kvplane refuses is skipped (a later miss)."""
         for job in meta.stores:
             try:
                 offload.start_store(job.request_id, job.hashes, job.block_ids)
@@ -157,6 +183,8 @@ class WorkerSide:
                 self.offload.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str) -> None:
+        if self._step is not None and not self._step.loads:  # a step with loads calls start_load_kv first
+            self._start_saves(self._step)
         if self.offload is not None:
             with self._lock:
                 self.offload.save_layer(layer_name)
