@@ -115,6 +115,7 @@ class RealEngine:
         self.tables: dict[str, list[list[int]]] = {}  # per request, per KV-cache group
         self.outputs: dict[str, Any] = {}  # request id -> its final EngineCoreOutput
         self.requests: dict[str, Request] = {}
+        self.stats: list[Any] = []  # vLLM's SchedulerStats, per step that reported them
         self.timeline: list[tuple[str, str]] = []  # ("step", ""), ("forward", layer), and what tests add
         self.invalid: set[int] = set()
         self.failed: set[str] = set()  # requests reported in failed_recving
@@ -173,6 +174,8 @@ class RealEngine:
             kv_connector_output=kv_output,
         )
         for engine_outputs in self.scheduler.update_from_output(so, output).values():
+            if engine_outputs.scheduler_stats is not None:
+                self.stats.append(engine_outputs.scheduler_stats)
             for out in engine_outputs.outputs:
                 if out.finish_reason is not None:
                     self.outputs[out.request_id] = out

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvplane.integrations.vllm.compat import (
+    CACHE_HIT_SOURCE,
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -46,6 +47,9 @@ def _kv_lora_rank(vllm_config: Any) -> int | None:
 
 
 class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
+    if CACHE_HIT_SOURCE is not None:
+        _cache_hit_source = CACHE_HIT_SOURCE.HOST  # vLLM's label where it does not ask per request
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
@@ -58,6 +62,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         self.load_failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._kv_caches: dict[str, torch.Tensor] | None = None  # kept for restore_kv_caches after sleep mode
+        self._registered = False
         if role == KVConnectorRole.SCHEDULER:
             sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
             self._scheduler = SchedulerSide(self.config, sizes, int(vllm_config.cache_config.block_size), dp_rank)
@@ -86,6 +92,20 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side --------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+        self._kv_caches, self._registered = kv_caches, True
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode (vLLM 0.33's ``gpu_worker.sleep``): the caches are about to be unmapped and vLLM has drained
+        the transfers. Every flow closes (they registered the caches with the transfer engines), the host
+        tier's contents with them. Idempotent."""
+        if self._worker is not None and self._registered:
+            self._worker.shutdown()
+            self._registered = False
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the caches are mapped again at the same addresses; the flows reopen on them."""
+        if self._worker is not None and not self._registered and self._kv_caches is not None:
+            self.register_kv_caches(self._kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -170,3 +190,11 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        if num_external_tokens == 0 or CACHE_HIT_SOURCE is None:
+            return {}
+        return {CACHE_HIT_SOURCE(self.scheduler.hit_source(request)): num_external_tokens}

@@ -259,6 +259,16 @@ class SchedulerSide:
             "scheduler.sending": set(self._sending),
         }
 
+    def hit_source(self, request: Any) -> str:
+        """Where the request's external tokens come from: ``p2p`` (a prefill instance) or ``host`` (the host
+        tier; a store-tier hit is fetched through it)."""
+        return "p2p" if request.request_id in self._receiving else "host"
+
+    def has_pending_block_frees(self) -> bool:
+        """Frees that will come soon without the scheduler doing anything: aborted receives draining, pushes
+        under way (a pull's blocks wait for the decode, up to the lease: not soon)."""
+        return bool(self._aborting) or (self.config.mode in ("push", "layerwise") and bool(self._sending))
+
     def has_pending_push_work(self) -> bool:
         return self.config.mode in ("push", "layerwise") and bool(self._sending or self._aborting)
 
