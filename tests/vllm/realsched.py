@@ -71,11 +71,13 @@ class RealEngine:
     def __init__(self, model_dir: str, extra: dict[str, Any], kv_role: str = "kv_both", *,
                  policy: str = "recompute", num_blocks: int = 64, engine_id: str | None = None,
                  max_batched_tokens: int = 512, prefix_caching: bool = False, sliding_window: int = 0,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, with_worker: bool = True) -> None:
         """``sliding_window`` > 0: a hybrid model, layer 0 full attention, layer 1 a sliding window of that many
         tokens, in two KV-cache groups (vLLM's hybrid allocator, ``request_finished_all_groups``).
         ``async_scheduling``: vLLM's ``AsyncScheduler``, stepped as the engine core's batch queue does (step N+1
-        is scheduled before step N runs; vLLM's CPU platform turns async scheduling off, so it is forced on)."""
+        is scheduled before step N runs; vLLM's CPU platform turns async scheduling off, so it is forced on).
+        ``with_worker=False``: vLLM's scheduler and the scheduler-side connector only (the caller plays the
+        worker half's answers)."""
         transfer = KVTransferConfig(
             kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm", kv_role=kv_role,
             kv_connector_extra_config=extra, kv_load_failure_policy=policy,
@@ -102,9 +104,10 @@ class RealEngine:
         self.window = sliding_window
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         # vLLM's order: workers (and their KV caches) first, then the engine core's scheduler
-        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
         self.caches = {name: torch.zeros((2, num_blocks, BLOCK, HEADS, HEAD_DIM)) for name in LAYERS}
-        self.worker.register_kv_caches(self.caches)
+        if with_worker:
+            self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
+            self.worker.register_kv_caches(self.caches)
         self.config.scheduler_config.async_scheduling = async_scheduling
         self.inflight: deque[Any] | None = deque() if async_scheduling else None
         self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
@@ -283,5 +286,6 @@ class RealEngine:
         assert not any(held.values()), {k: v for k, v in held.items() if v}
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        if hasattr(self, "worker"):
+            self.worker.shutdown()
         self.scheduler.shutdown()

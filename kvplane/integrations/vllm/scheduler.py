@@ -76,15 +76,34 @@ class SchedulerSide:
         """The id the decode side knows this request by: in push modes the proxy's (vLLM's suffix stripped)."""
         return RANDOM_SUFFIX.sub("", request_id) if self.config.mode != "pull" else request_id
 
+    def _remote_tokens(self, request: Any) -> int:
+        """The prompt tokens a remote prefill holds (all of them where the params say nothing usable; a receive
+        with malformed params then fails on the worker, and vLLM's failure policy ends or recomputes it)."""
+        held = request.kv_transfer_params.get("remote_num_tokens")
+        if held is None:
+            return int(request.num_prompt_tokens)
+        try:
+            return min(int(held), int(request.num_prompt_tokens))
+        except (TypeError, ValueError):
+            logger.warning("kvplane: request %s has kv_transfer_params remote_num_tokens=%r, not a token count; "
+                           "its receive will fail", request.request_id, held)
+            return int(request.num_prompt_tokens)
+
+    def _groups(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> Groups | None:
+        """vLLM's per-group block ids, or None (logged) when they do not name one list per KV-cache group."""
+        if len(block_ids) != len(self.block_sizes):
+            logger.warning("kvplane: request %s came with block ids for %d KV-cache groups, the model has %d; "
+                           "kvplane transfers nothing for it", request_id, len(block_ids), len(self.block_sizes))
+            return None
+        return {g: list(v) for g, v in enumerate(block_ids)}
+
     def _blocks_for(self, ids: Groups, num_tokens: int) -> Groups:
         return {g: v[: -(-num_tokens // self.block_sizes[g])] for g, v in ids.items()}
 
     # -- vLLM scheduler calls -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._remote_prefill(request):
-            params = request.kv_transfer_params
-            held = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
-            count = min(held, request.num_prompt_tokens) - num_computed_tokens
+            count = self._remote_tokens(request) - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         if self.lookup is None:
             return 0, False
@@ -103,21 +122,25 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
-        ids: Groups = {g: list(v) for g, v in enumerate(blocks.get_block_ids())}
+        raw = blocks.get_block_ids()
+        ids = self._groups(rid, raw) or {}
         if self._remote_prefill(request):
             params = request.kv_transfer_params
             params["do_remote_prefill"] = False  # asked once: a second allocation after the load adds blocks only
-            if num_external_tokens > 0:
-                num_tokens = request.num_prompt_tokens if not params.get("remote_num_tokens") else min(
-                    int(params["remote_num_tokens"]), request.num_prompt_tokens)
+            if num_external_tokens > 0:  # vLLM now waits for this receive: it must end, even if it cannot start
+                num_tokens = self._remote_tokens(request)
+                if not ids:
+                    params = {}  # the worker fails a receive without params; vLLM's policy takes it from there
+                    ids = {g: list(v) for g, v in enumerate(raw) if g in self.block_sizes}
                 self._meta.receives.append(Receive(rid, dict(params), self._blocks_for(ids, num_tokens), num_tokens))
                 self._receiving.add(rid)
             return
+        loads = num_external_tokens > 0 and self.lookup is not None and bool(ids)
         if rid in self._held:  # the load below ends the hold on the worker; without one, release it
             self._held.discard(rid)
-            if not (num_external_tokens > 0 and self.lookup is not None):
+            if not loads:
                 self._meta.released.append(rid)
-        if num_external_tokens > 0 and self.lookup is not None:
+        if loads:
             start = self._matched.pop(rid, 0)
             end = start + num_external_tokens
             span = {g: (start // bs, end // bs) for g, bs in self.block_sizes.items()}
@@ -226,7 +249,10 @@ class SchedulerSide:
                 return True, None
             return False, None
         num_tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
-        ids = self._blocks_for({g: list(v) for g, v in enumerate(block_ids)}, num_tokens)
+        groups = self._groups(rid, block_ids)
+        if groups is None:
+            return False, None
+        ids = self._blocks_for(groups, num_tokens)
         if num_tokens < 1 or not any(ids.values()):
             return False, None
         self._meta.sends.append(Send(rid, ids, num_tokens, self.transfer_id(rid)))

@@ -204,11 +204,22 @@ class WorkerSide:
             with self._lock:
                 self.offload.get_finished()  # loads and stores finish within their step (wait_for_*)
         if self.prefill is not None:
-            sending.update(self._by_transfer_id.pop(c.request_id, c.request_id) for c in self.prefill.get_finished())
+            for c in self.prefill.get_finished():
+                rid = self._by_transfer_id.pop(c.request_id, None)
+                if rid is None:  # vLLM asserts on an id it does not hold: a peer's stray or repeated completion
+                    logger.warning("kvplane: request %s is not being sent from here (unknown, or reported "
+                                   "already): its completion is dropped", c.request_id)
+                    continue
+                sending.add(rid)
         completions = list(self._failed_receives)
         self._failed_receives.clear()
         if self.decode is not None:
-            completions.extend(self.decode.get_finished())
+            for c in self.decode.get_finished():
+                if c.request_id not in self._receiving:
+                    logger.warning("kvplane: request %s is not being received here (unknown, or reported "
+                                   "already): its completion is dropped", c.request_id)
+                    continue
+                completions.append(c)
         for c in completions:
             self._receiving.discard(c.request_id)
             if c.request_id in self._aborted_receives:
