@@ -92,3 +92,42 @@ def test_a_hybrid_model_whose_receive_fails_follows_the_policy_without_vllm_rais
         assert out.finish_reason == FinishReason.ERROR
     decode.drain(within_s=10.0)
     decode.assert_nothing_held()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_hybrid_model_whose_host_tier_load_fails_follows_the_policy_without_vllm_raising(
+    model_dir: str, engines: list[RealEngine], policy: str
+) -> None:
+    engine = RealEngine(model_dir, {"offload": {"host_bytes": 4 << 20, "pinned": False}}, policy=policy,
+                        sliding_window=32)
+    engines.append(engine)
+    engine.add("a", PROMPT)
+    engine.finish("a")
+    engine.drain()
+    worker = engine.worker.worker
+    start = worker.start_load_kv
+
+    def evicted_first(meta: Any) -> None:  # as on a TP rank other than 0: the promised blocks are gone
+        for job in meta.loads:
+            worker.holds.release(job.request_id)
+            for g in worker.offload.index.pools:
+                _evict(worker, g)
+        start(meta)
+
+    worker.start_load_kv = evicted_first
+    engine.add("b", PROMPT)
+    out = engine.finish("b")
+    if policy == "recompute" or not engine.fails_hybrid_requests:
+        assert out.finish_reason == FinishReason.LENGTH
+        assert engine.digests["b"] == reference_digest(PROMPT, len(PROMPT), window=32)
+    else:
+        assert out.finish_reason == FinishReason.ERROR
+    engine.drain()
+    engine.assert_nothing_held()
+
+
+def _evict(worker: Any, group: int) -> None:
+    """Take every host block of ``group`` (another request's store), so no cached prefix is left."""
+    index = worker.offload.index
+    ids = index.allocate(group, index.pools[group].num_free)
+    index.release(group, ids)

@@ -22,6 +22,8 @@ class BlockJob:
     request_id: str
     hashes: Groups
     block_ids: Groups
+    num_tokens: int = 0  # a load: the tokens vLLM counts on
+    wait_in_vllm: bool = False  # a load vLLM waits for (WAITING_FOR_REMOTE_KVS), reported like a receive
 
 
 @dataclass

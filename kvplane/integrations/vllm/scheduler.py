@@ -42,6 +42,9 @@ class SchedulerSide:
                     f"{hash_block_size}; kvplane keys offloaded blocks by vLLM's chained block hashes"
                 )
         self.step_tokens = math.lcm(*self.block_sizes.values())  # a load covers whole blocks in every group
+        # vLLM maps failed block ids back to requests only with one group: with more, host-tier loads are
+        # asynchronous, so that a failure can be reported by request like a failed receive
+        self.loads_wait_in_vllm = len(self.block_sizes) > 1
         self.lookup = (
             LookupClient(lookup_address(config.engine_id, dp_rank), config.lookup_timeout_s)
             if config.offload is not None else None
@@ -117,7 +120,8 @@ class SchedulerSide:
             self._held.add(request.request_id)  # the worker holds the blocks until load, release or a new lookup
         hit = min(answer, limit) // self.step_tokens * self.step_tokens
         self._matched[request.request_id] = num_computed_tokens
-        return (hit - num_computed_tokens, False) if hit > num_computed_tokens else (0, False)
+        # several KV-cache groups: vLLM takes a failed load only by request, and only while it waits for it
+        return (hit - num_computed_tokens, self.loads_wait_in_vllm) if hit > num_computed_tokens else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -144,11 +148,15 @@ class SchedulerSide:
             start = self._matched.pop(rid, 0)
             end = start + num_external_tokens
             span = {g: (start // bs, end // bs) for g, bs in self.block_sizes.items()}
-            self._meta.loads.append(_real_blocks(
+            job = _real_blocks(
                 rid,
                 {g: self._hashes(request, g)[a:b] for g, (a, b) in span.items()},
                 {g: ids[g][a:b] for g, (a, b) in span.items()},
-            ))
+            )
+            job.num_tokens, job.wait_in_vllm = num_external_tokens, self.loads_wait_in_vllm
+            self._meta.loads.append(job)
+            if job.wait_in_vllm:
+                self._receiving.add(rid)  # ends, fails and aborts like a receive
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlaneMetadata:
         for req in scheduler_output.scheduled_new_reqs:
@@ -288,7 +296,8 @@ class SchedulerSide:
     def hit_source(self, request: Any) -> str:
         """Where the request's external tokens come from: ``p2p`` (a prefill instance) or ``host`` (the host
         tier; a store-tier hit is fetched through it)."""
-        return "p2p" if request.request_id in self._receiving else "host"
+        params = request.kv_transfer_params or {}
+        return "p2p" if params.get("remote_engine_id") is not None else "host"
 
     def has_pending_block_frees(self) -> bool:
         """Frees that will come soon without the scheduler doing anything: aborted receives draining, pushes

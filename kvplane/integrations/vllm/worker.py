@@ -48,6 +48,8 @@ class WorkerSide:
         self._receiving: set[str] = set()  # receives started and not yet reported
         self._aborted_receives: set[str] = set()
         self._failed_requests: set[str] = set()  # failed receives to report by request id (several KV-cache groups)
+        self._host_loads: set[str] = set()  # host-tier loads vLLM waits for, reported like receives
+        self._short_loads: set[str] = set()  # ... that could not load every promised block
         # vLLM maps failed block ids back to requests only when there is one KV-cache group
         self.failures_by_request = len(getattr(kv_cache_config, "kv_cache_groups", ())) > 1
         self._failed_receives: list[Completion] = []
@@ -126,12 +128,24 @@ class WorkerSide:
         """A load kvplane refuses fails its blocks. A lookup's hold ends once its load holds the blocks itself,
         or when the scheduler releases it."""
         if meta.loads:
+            waited = [j for j in meta.loads if j.wait_in_vllm]  # reported like receives (several groups)
             try:
-                offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads])
+                loaded = offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads])
                 self.counters["loads"] += len(meta.loads)
             except KvplaneError as e:
                 logger.warning("kvplane: offload loads refused, their blocks will be recomputed: %s", e)
-                self._load_errors.update(b for j in meta.loads for ids in j.block_ids.values() for b in ids)
+                self._load_errors.update(
+                    b for j in meta.loads if not j.wait_in_vllm for ids in j.block_ids.values() for b in ids)
+                self._failed_receives.extend(Completion(j.request_id, "failed", reason=str(e)) for j in waited)
+                waited = []
+            # which blocks a load could not fill is known once it started; ids may repeat across groups, so a
+            # request sharing one with a failed load of another group recomputes too (never the reverse)
+            errors = offload.get_block_ids_with_load_errors() if waited else set()
+            for j in waited:
+                self._receiving.add(j.request_id)
+                self._host_loads.add(j.request_id)
+                if j.request_id not in loaded or any(b in errors for ids in j.block_ids.values() for b in ids):
+                    self._short_loads.add(j.request_id)
         if self.holds is not None:
             for rid in [j.request_id for j in meta.loads] + meta.released:
                 self.holds.release(rid)
@@ -173,9 +187,10 @@ class WorkerSide:
         if self.prefill is not None:
             tid = next((t for t, r in self._by_transfer_id.items() if r == rid), rid)
             self.prefill.abort(tid)
-        if self.decode is not None and rid in self._receiving:  # else already reported: nothing to drain
+        if rid in self._receiving:  # else already reported: nothing to drain
             self._aborted_receives.add(rid)
-            self.decode.abort(rid)
+            if self.decode is not None and rid not in self._host_loads:
+                self.decode.abort(rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.offload is not None:
@@ -200,19 +215,24 @@ class WorkerSide:
         """(sent or drained after an abort, received) request ids; failures also fill the load errors."""
         sending: set[str] = set()
         recving: set[str] = set()
+        completions = list(self._failed_receives)
+        self._failed_receives.clear()
         if self.offload is not None:
             with self._lock:
-                self.offload.get_finished()  # loads and stores finish within their step (wait_for_*)
+                _, loaded = self.offload.get_finished()  # stores and synchronous loads finish within their step
+            for rid in sorted(loaded & self._host_loads):
+                self._host_loads.discard(rid)
+                short = rid in self._short_loads
+                self._short_loads.discard(rid)
+                completions.append(Completion(rid, "failed" if short else "done",
+                                              reason="host-tier blocks gone since the lookup" if short else ""))
         if self.prefill is not None:
             for c in self.prefill.get_finished():
-                rid = self._by_transfer_id.pop(c.request_id, None)
-                if rid is None:  # vLLM asserts on an id it does not hold: a peer's stray or repeated completion
+                if c.request_id not in self._by_transfer_id:  # vLLM asserts on an id it does not hold: a peer's stray or repeated completion
                     logger.warning("kvplane: request %s is not being sent from here (unknown, or reported "
                                    "already): its completion is dropped", c.request_id)
                     continue
-                sending.add(rid)
-        completions = list(self._failed_receives)
-        self._failed_receives.clear()
+                sending.add(self._by_transfer_id.pop(c.request_id))
         if self.decode is not None:
             for c in self.decode.get_finished():
                 if c.request_id not in self._receiving:
@@ -245,7 +265,9 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         if self.offload is not None:
             with self._lock:
-                errors |= self.offload.get_block_ids_with_load_errors()
+                offload_errors = self.offload.get_block_ids_with_load_errors()
+            if not self.failures_by_request:  # else those loads are reported by request (get_finished)
+                errors |= offload_errors
         self.counters["load_error_blocks"] += len(errors)
         return errors
 
@@ -253,7 +275,8 @@ class WorkerSide:
         """Every per-request table, by name: all empty once every request has ended (the tests check it)."""
         return {
             "worker.receiving": set(self._receiving), "worker.aborted_receives": set(self._aborted_receives),
-            "worker.failed_requests": set(self._failed_requests),
+            "worker.failed_requests": set(self._failed_requests), "worker.host_loads": set(self._host_loads),
+            "worker.short_loads": set(self._short_loads),
             "worker.lookup_holds": self.holds.held_request_ids() if self.holds is not None else set(),
             "worker.failed_receives": {c.request_id for c in self._failed_receives},
             "worker.by_transfer_id": set(self._by_transfer_id.values()),
