@@ -19,6 +19,7 @@ VLLM2  ?= vllm==0.33.0 xgrammar==0.2.8 oss-harmony>=0.0.11
 VENV2  ?= .venv-vllm2
 PY2    := $(VENV2)/bin/python
 STAMP2 := $(VENV2)/.kvplane-installed
+TEST_VLLM2 = $(PY2) -c "import vllm; print(f'tests/vllm on vLLM {vllm.__version__}')" && $(PY2) -m pytest tests/vllm
 
 .PHONY: install test test-vllm2 bench lint clean
 
@@ -47,11 +48,10 @@ test: $(STAMP) $(STAMP2)
 		{ echo "vLLM does not import in $$py, so the connector tests would be skipped; run make clean install"; \
 		exit 1; }; done
 	$(PY) -m pytest
-	$(MAKE) --no-print-directory test-vllm2
+	$(TEST_VLLM2)
 
 test-vllm2: $(STAMP2)
-	@$(PY2) -c "import vllm; print(f'tests/vllm on vLLM {vllm.__version__}')"
-	$(PY2) -m pytest tests/vllm
+	$(TEST_VLLM2)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvplane bench
