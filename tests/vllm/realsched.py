@@ -185,8 +185,9 @@ class RealEngine:
 
     def run_model(self, so: Any, spans: list[tuple[str, int]]) -> KVConnectorOutput:
         """The GPU model runner's connector calls, in the installed vLLM's order: ``_get_kv_connector_output`` in
-        ``vllm/v1/worker/kv_connector_model_runner_mixin.py`` (0.27.1 lines 83-112: ``start_load_kv`` before the
-        forward; 0.33.0 lines 68-105: after it unless ``has_sync_kv_loads``, then ``get_transfer_results``), entered
+        ``vllm/v1/worker/kv_connector_model_runner_mixin.py`` (0.27.1 lines 78-112: ``start_load_kv`` at line 95,
+        before the forward; 0.33.0 lines 67-107: line 83 ``start_after_forward = not has_sync_kv_loads``, so
+        ``start_load_kv`` at line 85 before or line 90 after the forward, then ``get_transfer_results``), entered
         by ``gpu_model_runner.py`` (0.27.1 line 4445, 0.33.0 line 4168); a step with no tokens goes through
         ``kv_connector_no_forward`` (0.27.1 line 4234, no ``wait_for_save``; 0.33.0 line 3971). The forward calls
         ``wait_for_layer_load`` / ``save_kv_layer`` in every attention layer."""
