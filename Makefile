@@ -3,6 +3,9 @@
 # install torch 2.13.0 (CPU) only where no torch is present, then kvplane, its three backend
 # distributions and the test extras, editable, and vLLM for the connector's tests: only where no vLLM is
 # present, and without its declared dependencies (a CUDA torch, triton); the `vllm` extra brings what it imports.
+# `make test` also runs tests/vllm/ on a second vLLM (VLLM2) in .venv-vllm2: a venv that sees everything in .venv
+# (a .pth file adds .venv's site-packages after its own) and holds only that vLLM and what it needs beyond
+# .venv (--no-deps; torch 2.13.0 stays, although vLLM 0.33 pins 2.14.0), so its vLLM shadows .venv's.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -12,10 +15,15 @@ STAMP  := $(VENV)/.kvplane-installed
 TORCH  ?= torch==2.13.0
 EXTRAS ?= test,bench,engines,vllm
 VLLM   ?= vllm==0.27.1 xgrammar>=0.2.1,<1.0
+VLLM2  ?= vllm==0.33.0 xgrammar==0.2.8 oss-harmony>=0.0.11
+VENV2  ?= .venv-vllm2
+PY2    := $(VENV2)/bin/python
+STAMP2 := $(VENV2)/.kvplane-installed
+TEST_VLLM2 = $(PY2) -c "import vllm; print(f'tests/vllm on vLLM {vllm.__version__}')" && $(PY2) -m pytest tests/vllm
 
-.PHONY: install test bench lint clean
+.PHONY: install test test-vllm2 bench lint clean
 
-install: $(STAMP)
+install: $(STAMP) $(STAMP2)
 
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -27,10 +35,23 @@ $(STAMP): $(PY) pyproject.toml setup.py kvplane/_native/*.c backends/*/pyproject
 	$(PY) -c "import vllm" 2>/dev/null || $(PIP) install -q --no-deps $(foreach p,$(VLLM),"$(p)")
 	@touch $(STAMP)
 
-test: $(STAMP)
-	@$(PY) -c "import vllm.distributed.kv_transfer.kv_connector.v1.base" || \
-		{ echo "vLLM does not import, so the connector tests would be skipped; run make clean install"; exit 1; }
+$(STAMP2): $(STAMP)
+	rm -rf $(VENV2)
+	$(PYTHON) -m venv --without-pip --system-site-packages $(VENV2)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(PY2) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvplane-base-venv.pth"
+	$(PY2) -m pip --disable-pip-version-check install -q --no-deps --ignore-installed $(foreach p,$(VLLM2),"$(p)")
+	@touch $(STAMP2)
+
+test: $(STAMP) $(STAMP2)
+	@for py in $(PY) $(PY2); do $$py -c "import vllm.distributed.kv_transfer.kv_connector.v1.base" || \
+		{ echo "vLLM does not import in $$py, so the connector tests would be skipped; run make clean install"; \
+		exit 1; }; done
 	$(PY) -m pytest
+	$(TEST_VLLM2)
+
+test-vllm2: $(STAMP2)
+	$(TEST_VLLM2)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvplane bench
@@ -40,4 +61,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvplane/_native/*.so bench-results
+	rm -rf $(VENV) $(VENV2) build *.egg-info kvplane/_native/*.so bench-results

@@ -56,13 +56,15 @@ def test_params_a_proxy_mangled_fail_the_request_instead_of_raising_into_vllm(de
 
 
 def test_host_blocks_evicted_between_lookup_and_load_are_reported_and_recomputed() -> None:
-    engine = MiniEngine({"offload": {"host_bytes": 4 * 4096, "pinned": False}})  # 4 blocks of 2 layers
+    engine = MiniEngine({"offload": {"host_bytes": 8 * 4096, "pinned": False}})  # 8 blocks of 2 layers
     try:
-        engine.run("a", PROMPT[:70])  # 4 full blocks stored: the host tier is full
-        offload = engine.worker._worker.offload
+        engine.run("a", PROMPT[:70])  # 4 full blocks stored
+        worker = engine.worker._worker
+        offload = worker.offload
 
         def evict() -> None:  # another request's store takes every host block before the load runs
-            offload.start_store("other", np.arange(10**6, 10**6 + 4), [40, 41, 42, 43])
+            worker.holds.release("b")  # as on a TP rank other than 0, which holds nothing for lookups
+            offload.start_store("other", np.arange(10**6, 10**6 + 8), list(range(36, 44)))
             offload.wait_for_save()
 
         out = engine.run("b", PROMPT[:70], after_alloc=evict)

@@ -3,6 +3,7 @@ push, and a hybrid model with two KV-cache groups. The decode's KV must equal wh
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,8 @@ def free_port() -> int:
 class Peer:
     def __init__(self, name: str, tmp: Path) -> None:
         self.proc = FramedProcess([str(HERE / "vllm_peer.py")], tmp / f"{name}.log",
-                                  env={"PYTHONPATH": f"{HERE}:{HERE.parent / 'unit'}"})
+                                  env={"PYTHONPATH": os.pathsep.join(
+                                      p for p in (str(HERE), str(HERE.parent / "unit"), os.environ.get("PYTHONPATH")) if p)})
 
     def ask(self, timeout: float = 120.0, **message: Any) -> Any:
         reply = self.proc.ask(timeout, **message)

@@ -48,6 +48,7 @@ def test_vllm_schedules_a_repeated_prefix_from_the_host_tier(model_dir: str, eng
     assert engine.first_computed == {"a": 0, "b": 64}  # vLLM skipped what the connector loaded
     assert engine.digests["b"] == reference_digest(PROMPT + [5, 6], 72)
     engine.drain()
+    engine.assert_nothing_held()
 
 
 def test_vllm_waits_for_the_pulled_kv_then_computes_only_the_last_prompt_token(
@@ -67,6 +68,8 @@ def test_vllm_waits_for_the_pulled_kv_then_computes_only_the_last_prompt_token(
     assert decode.digests["d"] == reference_digest(PROMPT, len(PROMPT)) == prefill.digests["p"]
     prefill.drain(within_s=5.0)  # the blocks come back once the decode has read them, not when the 10 s lease ends
     decode.drain()
+    decode.assert_nothing_held()
+    prefill.assert_nothing_held()
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -89,6 +92,7 @@ def test_a_pull_that_fails_follows_kv_load_failure_policy(
     else:
         assert out.finish_reason == FinishReason.ERROR
     decode.drain()
+    decode.assert_nothing_held()
 
 
 def test_chunked_prefill_stores_each_chunk_and_a_later_request_loads_them_all(
@@ -104,6 +108,7 @@ def test_chunked_prefill_stores_each_chunk_and_a_later_request_loads_them_all(
     assert engine.first_computed["b"] == 64
     assert engine.digests["b"] == reference_digest(PROMPT, len(PROMPT))
     engine.drain()
+    engine.assert_nothing_held()
 
 
 @pytest.mark.parametrize("mode", ["push", "layerwise"])
@@ -134,6 +139,8 @@ def test_push_keeps_the_prefill_engine_stepping_until_the_decode_has_its_kv(
     prefill.drain()
     assert not prefill.scheduler.connector.has_pending_push_work()
     decode.drain()
+    decode.assert_nothing_held()
+    prefill.assert_nothing_held()
 
 
 def test_a_decode_with_its_own_prefix_cache_hit_still_ends_with_the_prefills_kv(
@@ -152,6 +159,8 @@ def test_a_decode_with_its_own_prefix_cache_hit_still_ends_with_the_prefills_kv(
         assert decode.digests[f"d{i}"] == reference_digest(PROMPT, len(PROMPT)) and not decode.invalid
     assert decode.first_computed == {"d0": len(PROMPT) - 1, "d1": len(PROMPT) - 1}
     decode.drain()
+    decode.assert_nothing_held()
+    prefill.assert_nothing_held()
 
 
 def test_a_hybrid_sliding_window_model_reloads_a_prefix_vllm_evicted_and_skips_the_null_block(
@@ -178,6 +187,7 @@ def test_a_hybrid_sliding_window_model_reloads_a_prefix_vllm_evicted_and_skips_t
     assert len(load[0]) == 4 and len(load[1]) == 2 and 0 not in load[1]  # out-of-window: vLLM's null block
     assert engine.digests["b"] == reference_digest(PROMPT, len(PROMPT), window=32)
     engine.drain()
+    engine.assert_nothing_held()
 
 
 def test_a_preempted_request_resumes_from_the_blocks_it_stored(model_dir: str, engines: list[RealEngine]) -> None:
@@ -194,3 +204,4 @@ def test_a_preempted_request_resumes_from_the_blocks_it_stored(model_dir: str, e
         assert engine.digests[rid] == reference_digest(tokens, len(tokens))
     assert not engine.invalid
     engine.drain()
+    engine.assert_nothing_held()

@@ -4,21 +4,25 @@ vLLM builds it twice from the same ``--kv-transfer-config``: once in the schedul
 (``KVConnectorRole.SCHEDULER``: ``SchedulerSide``) and once in every worker (``WORKER``: ``WorkerSide``). This
 class only routes each of vLLM's calls to the half that owns it; ``scheduler.py`` and ``worker.py`` say what
 happens and in which order vLLM calls them. Load failures are reported block by block through
-``get_block_ids_with_load_errors``; vLLM's scheduler applies ``kv_load_failure_policy`` (fail or recompute).
+``get_block_ids_with_load_errors`` when the model has one KV-cache group, and by request otherwise (see
+``compat``); vLLM's scheduler applies ``kv_load_failure_policy`` (fail or recompute).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvplane.integrations.vllm.compat import (
+    CACHE_HIT_SOURCE,
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
+    transfer_results,
 )
 from kvplane.integrations.vllm.config import ConnectorConfig
-from kvplane.integrations.vllm.metadata import KVPlaneMetadata
+from kvplane.integrations.vllm.metadata import KVPlaneMetadata, KVPlaneWorkerMeta
 from kvplane.integrations.vllm.scheduler import SchedulerSide
 from kvplane.integrations.vllm.stats import KVPlaneStats
 from kvplane.integrations.vllm.worker import WorkerSide
@@ -69,6 +73,9 @@ def _kv_cache_layout() -> str:
 
 
 class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
+    if CACHE_HIT_SOURCE is not None:
+        _cache_hit_source = CACHE_HIT_SOURCE.HOST  # vLLM's label where it does not ask per request
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
@@ -81,6 +88,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         self.load_failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._restore: Callable[[], None] | None = None  # the registration to repeat after sleep mode
+        self._registered = False
         if role == KVConnectorRole.SCHEDULER:
             sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
             self._scheduler = SchedulerSide(self.config, sizes, int(vllm_config.cache_config.block_size), dp_rank)
@@ -117,9 +126,41 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_kv_caches(
             kv_caches, _attention_backends(self._vllm_config, list(kv_caches)), _cache_dtype(self._vllm_config)
         )
+        self._restore = lambda: self.register_kv_caches(kv_caches)
+        self._registered = True
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
         self.worker.register_cross_layers_kv_cache(kv_cache, attn_backend, _cache_dtype(self._vllm_config))
+        self._restore = lambda: self.register_cross_layers_kv_cache(kv_cache, attn_backend)
+        self._registered = True
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode (vLLM 0.33's ``gpu_worker.sleep``): the caches are about to be unmapped and vLLM has drained
+        the transfers. Every flow closes (they registered the caches with the transfer engines), the host
+        tier's contents with them. Idempotent."""
+        if self._worker is not None and self._registered:
+            self._worker.shutdown()
+            self._registered = False
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the caches are mapped again at the same addresses; the flows reopen on them, through
+        whichever registration vLLM made (per-layer tensors or one cross-layer tensor)."""
+        if self._worker is not None and not self._registered and self._restore is not None:
+            self._restore()
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVPlaneMetadata):
+            self._worker.begin_step(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.end_step()
+
+    def finish_forward(self) -> None:
+        """vLLM 0.33's model runner: the forward no longer reads this step's KV (nothing kvplane must wait for:
+        stores and pushes started during the forward, see ``WorkerSide.save_kv_layer``)."""
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -140,8 +181,19 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving = self.worker.get_finished()
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Where vLLM asks for it (``compat.REPORTS_FAILED_RECEIVES_BY_REQUEST``): failed receives by request id."""
+        sending, recving = self.worker.get_finished()
+        return transfer_results(sending, recving, self.worker.take_failed_requests())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVPlaneWorkerMeta | None:
+        """Failed receives that ``get_transfer_results`` did not take (a vLLM without it) go to the scheduler
+        side this way."""
+        failed = self.worker.take_failed_requests() if self._worker is not None else set()
+        return KVPlaneWorkerMeta(failed) if failed else None
 
     def get_kv_connector_stats(self) -> KVPlaneStats | None:
         return KVPlaneStats(data=self.worker.stats()) if self._worker is not None else None
@@ -179,3 +231,11 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        if num_external_tokens == 0 or CACHE_HIT_SOURCE is None:
+            return {}
+        return {CACHE_HIT_SOURCE(self.scheduler.hit_source(request)): num_external_tokens}

@@ -3,10 +3,11 @@
 vLLM runs the scheduler-side connector in the engine-core process and the worker-side connectors beside the
 KV caches (the same process with one GPU, other processes with TP > 1). ``OffloadEngine.lookup`` lives with
 the caches, so TP rank 0's worker serves it on a ZMQ REP socket (``ipc://``, named after the engine) and the
-scheduler's ``get_num_new_matched_tokens`` asks it. A lookup has no side effects; one that is not answered
-within ``timeout_s`` counts as a miss (0 tokens), so a slow or absent worker costs a recompute, never a hang.
-Ranks store the same blocks in lockstep, so rank 0's answer stands for all; a rank that evicted a block since
-reports it through ``get_block_ids_with_load_errors``.
+scheduler's ``get_num_new_matched_tokens`` asks it. The answer is a promise: the worker holds the host blocks
+it counted for that request until the load, the request's end or a preemption (``holds.LookupHolds``). A
+lookup not answered within ``timeout_s`` counts as a miss (0 tokens), so a slow or absent worker costs a
+recompute, never a hang. Ranks store the same blocks in lockstep, so rank 0's answer stands for all; only rank
+0 holds blocks, and a rank that evicted a block since reports it through ``get_block_ids_with_load_errors``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ logger = logging.getLogger("kvplane.vllm")
 Hashes = dict[int, list[int]]
 
 
+class HoldRequest(msgspec.Struct, frozen=True):
+    """One lookup: the request's chained block hashes and the tokens per block, per KV-cache group."""
+
+    request_id: str
+    hashes: Hashes
+    block_tokens: dict[int, int]
+
+
+Hold = Callable[[str, Hashes, dict[int, int]], int]
+
+
 def lookup_address(engine_id: str, dp_rank: int = 0) -> str:
     """The ``ipc://`` address rank 0 of data-parallel rank ``dp_rank`` of engine ``engine_id`` serves on."""
     return f"ipc://{os.path.join(tempfile.gettempdir(), f'kvplane-lookup-{engine_id}-{dp_rank}.sock')}"
@@ -37,11 +49,11 @@ def block_hash_int(block_hash: bytes | int) -> int:
 
 
 class LookupServer:
-    """Answers lookups on a daemon thread; ``lookup`` is called under ``lock`` (the engine's own lock)."""
+    """Answers lookups on a daemon thread; ``hold`` is called under ``lock`` (the engine's own lock)."""
 
-    def __init__(self, address: str, lookup: Callable[[Hashes], int], lock: threading.Lock) -> None:
+    def __init__(self, address: str, hold: Hold, lock: threading.Lock) -> None:
         self.address = address
-        self._lookup, self._lock = lookup, lock
+        self._hold, self._lock = hold, lock
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -51,14 +63,14 @@ class LookupServer:
         self._thread.start()
 
     def _serve(self) -> None:
-        decoder = msgspec.msgpack.Decoder(dict[int, list[int]])
+        decoder = msgspec.msgpack.Decoder(HoldRequest)
         while not self._stop.is_set():
             if not self._socket.poll(100):
                 continue
             try:
-                hashes = decoder.decode(self._socket.recv())
+                ask = decoder.decode(self._socket.recv())
                 with self._lock:
-                    tokens = self._lookup(hashes)
+                    tokens = self._hold(ask.request_id, ask.hashes, ask.block_tokens)
             except Exception as e:  # a bad request or a failing lookup is a miss, never a dead server
                 logger.warning("kvplane lookup failed, answering 0 tokens: %s", e)
                 tokens = 0
@@ -75,7 +87,8 @@ class LookupServer:
 
 
 class LookupClient:
-    """The scheduler's end: ``tokens(hashes)`` -> leading tokens the host tier (or store) holds, 0 on timeout."""
+    """The scheduler's end: ``hold(request_id, hashes, block_tokens)`` -> leading tokens the host tier (or
+    store) holds, held for that request; 0 on timeout."""
 
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address, self.timeout_ms = address, int(timeout_s * 1000)
@@ -88,8 +101,8 @@ class LookupClient:
         sock.connect(self.address)
         return sock
 
-    def tokens(self, hashes: Hashes) -> int:
-        self._socket.send(msgspec.msgpack.encode(hashes))
+    def hold(self, request_id: str, hashes: Hashes, block_tokens: dict[int, int]) -> int:
+        self._socket.send(msgspec.msgpack.encode(HoldRequest(request_id, hashes, block_tokens)))
         if not self._socket.poll(self.timeout_ms):
             logger.warning("kvplane lookup at %s not answered in %d ms: counting a miss", self.address,
                            self.timeout_ms)

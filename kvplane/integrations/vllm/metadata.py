@@ -1,6 +1,7 @@
 """What the scheduler-side connector tells the worker-side connectors for one step.
 
-Plain data (ints, strings, dicts of lists) so vLLM can ship it to worker processes. Block ids and hashes are
+Plain data (ints, strings, dicts of lists) so vLLM can ship it to worker processes (and back:
+``KVPlaneWorkerMeta``). Block ids and hashes are
 ``{group_id: [...]}`` over the kvplane spec's groups (vLLM's KV-cache group indices).
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplane.integrations.vllm.compat import KVConnectorMetadata
+from kvplane.integrations.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 Groups = dict[int, list[int]]
 
@@ -21,6 +22,8 @@ class BlockJob:
     request_id: str
     hashes: Groups
     block_ids: Groups
+    num_tokens: int = 0  # a load: the tokens vLLM counts on
+    wait_in_vllm: bool = False  # a load vLLM waits for (WAITING_FOR_REMOTE_KVS), reported like a receive
 
 
 @dataclass
@@ -55,3 +58,17 @@ class KVPlaneMetadata(KVConnectorMetadata):
     layerwise: list[Send] = field(default_factory=list)  # before this step's forward: pushed layer by layer
     sends: list[Send] = field(default_factory=list)  # finished: the blocks are the connector's until reported
     aborts: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # lookups whose promised blocks will not be loaded
+
+
+@dataclass
+class KVPlaneWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler-side connector beside vLLM's own fields: receives that failed, by
+    request id, where vLLM has no per-request failure field (``compat.REPORTS_FAILED_RECEIVES_BY_REQUEST``)."""
+
+    failed_receives: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPlaneWorkerMeta:
+        if isinstance(other, KVPlaneWorkerMeta):
+            self.failed_receives |= other.failed_receives
+        return self

@@ -1,7 +1,8 @@
 """The scheduler-side half of the connector: decides what each step loads, stores, receives and sends.
 
-Called by vLLM's scheduler, in this order per request: ``get_num_new_matched_tokens`` (side-effect free: a
-lookup in the worker's host tier, or the token count a remote prefill holds), ``update_state_after_alloc``
+Called by vLLM's scheduler, in this order per request: ``get_num_new_matched_tokens`` (a lookup in the
+worker's host tier, whose answer the worker holds for the request until it loads, ends or asks again: see
+``holds.py``; or the token count a remote prefill holds), ``update_state_after_alloc``
 (records the blocks), ``build_connector_meta`` once per step (hands the step's work to the workers),
 ``update_connector_output`` (what the workers finished), ``request_finished_all_groups`` (returns
 ``kv_transfer_params`` and keeps a prefill's blocks until the workers report them). No vLLM import here:
@@ -10,6 +11,7 @@ requests, blocks and scheduler outputs are read by attribute.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -20,6 +22,7 @@ from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigErr
 from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, lookup_address
 from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
 
+logger = logging.getLogger("kvplane.vllm")
 NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 NULL_BLOCK = 0  # vLLM's placeholder block (BlockPool.null_block): sliding-window groups hold it out of the window
 RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)  # vLLM appends it to every external request id
@@ -39,6 +42,9 @@ class SchedulerSide:
                     f"{hash_block_size}; kvplane keys offloaded blocks by vLLM's chained block hashes"
                 )
         self.step_tokens = math.lcm(*self.block_sizes.values())  # a load covers whole blocks in every group
+        # vLLM maps failed block ids back to requests only with one group: with more, host-tier loads are
+        # asynchronous, so that a failure can be reported by request like a failed receive
+        self.loads_wait_in_vllm = len(self.block_sizes) > 1
         self.lookup = (
             LookupClient(lookup_address(config.engine_id, dp_rank), config.lookup_timeout_s)
             if config.offload is not None else None
@@ -49,7 +55,9 @@ class SchedulerSide:
         self._matched: dict[str, int] = {}  # local prefix tokens seen by the last lookup
         self._int_hashes: dict[tuple[str, int], list[int]] = {}
         self._layerwise_started: set[str] = set()
+        self._held: set[str] = set()  # a lookup promised blocks the worker holds, and no load was queued yet
         self._receiving: set[str] = set()
+        self._aborting: set[str] = set()  # finished while its KV was arriving: vLLM delayed the free
         self._sending: set[str] = set()
         self._meta = KVPlaneMetadata()
 
@@ -71,15 +79,34 @@ class SchedulerSide:
         """The id the decode side knows this request by: in push modes the proxy's (vLLM's suffix stripped)."""
         return RANDOM_SUFFIX.sub("", request_id) if self.config.mode != "pull" else request_id
 
+    def _remote_tokens(self, request: Any) -> int:
+        """The prompt tokens a remote prefill holds (all of them where the params say nothing usable; a receive
+        with malformed params then fails on the worker, and vLLM's failure policy ends or recomputes it)."""
+        held = request.kv_transfer_params.get("remote_num_tokens")
+        if held is None:
+            return int(request.num_prompt_tokens)
+        try:
+            return min(int(held), int(request.num_prompt_tokens))
+        except (TypeError, ValueError):
+            logger.warning("kvplane: request %s has kv_transfer_params remote_num_tokens=%r, not a token count; "
+                           "its receive will fail", request.request_id, held)
+            return int(request.num_prompt_tokens)
+
+    def _groups(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> Groups | None:
+        """vLLM's per-group block ids, or None (logged) when they do not name one list per KV-cache group."""
+        if len(block_ids) != len(self.block_sizes):
+            logger.warning("kvplane: request %s came with block ids for %d KV-cache groups, the model has %d; "
+                           "kvplane transfers nothing for it", request_id, len(block_ids), len(self.block_sizes))
+            return None
+        return {g: list(v) for g, v in enumerate(block_ids)}
+
     def _blocks_for(self, ids: Groups, num_tokens: int) -> Groups:
         return {g: v[: -(-num_tokens // self.block_sizes[g])] for g, v in ids.items()}
 
     # -- vLLM scheduler calls -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._remote_prefill(request):
-            params = request.kv_transfer_params
-            held = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
-            count = min(held, request.num_prompt_tokens) - num_computed_tokens
+            count = self._remote_tokens(request) - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         if self.lookup is None:
             return 0, False
@@ -88,32 +115,48 @@ class SchedulerSide:
         if limit <= num_computed_tokens:
             return 0, False
         hashes = {g: self._hashes(request, g)[: limit // bs] for g, bs in self.block_sizes.items()}
-        hit = min(self.lookup.tokens(hashes), limit) // self.step_tokens * self.step_tokens
+        answer = self.lookup.hold(request.request_id, hashes, self.block_sizes)
+        if answer > 0:
+            self._held.add(request.request_id)  # the worker holds the blocks until load, release or a new lookup
+        hit = min(answer, limit) // self.step_tokens * self.step_tokens
         self._matched[request.request_id] = num_computed_tokens
-        return (hit - num_computed_tokens, False) if hit > num_computed_tokens else (0, False)
+        # several KV-cache groups: vLLM takes a failed load only by request, and only while it waits for it
+        return (hit - num_computed_tokens, self.loads_wait_in_vllm) if hit > num_computed_tokens else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
-        ids: Groups = {g: list(v) for g, v in enumerate(blocks.get_block_ids())}
+        raw = blocks.get_block_ids()
+        ids = self._groups(rid, raw) or {}
         if self._remote_prefill(request):
             params = request.kv_transfer_params
             params["do_remote_prefill"] = False  # asked once: a second allocation after the load adds blocks only
-            if num_external_tokens > 0:
-                num_tokens = request.num_prompt_tokens if not params.get("remote_num_tokens") else min(
-                    int(params["remote_num_tokens"]), request.num_prompt_tokens)
+            if num_external_tokens > 0:  # vLLM now waits for this receive: it must end, even if it cannot start
+                num_tokens = self._remote_tokens(request)
+                if not ids:
+                    params = {}  # the worker fails a receive without params; vLLM's policy takes it from there
+                    ids = {g: list(v) for g, v in enumerate(raw) if g in self.block_sizes}
                 self._meta.receives.append(Receive(rid, dict(params), self._blocks_for(ids, num_tokens), num_tokens))
                 self._receiving.add(rid)
             return
-        if num_external_tokens > 0 and self.lookup is not None:
+        loads = num_external_tokens > 0 and self.lookup is not None and bool(ids)
+        if rid in self._held:  # the load below ends the hold on the worker; without one, release it
+            self._held.discard(rid)
+            if not loads:
+                self._meta.released.append(rid)
+        if loads:
             start = self._matched.pop(rid, 0)
             end = start + num_external_tokens
             span = {g: (start // bs, end // bs) for g, bs in self.block_sizes.items()}
-            self._meta.loads.append(_real_blocks(
+            job = _real_blocks(
                 rid,
                 {g: self._hashes(request, g)[a:b] for g, (a, b) in span.items()},
                 {g: ids[g][a:b] for g, (a, b) in span.items()},
-            ))
+            )
+            job.num_tokens, job.wait_in_vllm = num_external_tokens, self.loads_wait_in_vllm
+            self._meta.loads.append(job)
+            if job.wait_in_vllm:
+                self._receiving.add(rid)  # ends, fails and aborts like a receive
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlaneMetadata:
         for req in scheduler_output.scheduled_new_reqs:
@@ -161,10 +204,32 @@ class SchedulerSide:
             self._meta.stores.append(_real_blocks(rid, hashes, block_ids))
 
     def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' completions; vLLM frees a finished request's blocks on the first of them it sees."""
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        for rid in getattr(worker_meta, "failed_receives", ()):
+            self._restart_failed_receive(rid)
         for rid in connector_output.finished_sending or ():
             self._sending.discard(rid)
+            self._aborting.discard(rid)
         for rid in connector_output.finished_recving or ():
             self._receiving.discard(rid)
+            if rid in self._aborting:  # it ended before the abort reached the worker: nothing left to abort
+                self._aborting.discard(rid)
+                if rid in self._meta.aborts:
+                    self._meta.aborts.remove(rid)
+
+    def _restart_failed_receive(self, rid: str) -> None:
+        """A receive of a hybrid model failed on a vLLM that takes failures only as block ids (which it cannot
+        map to a request when there are several KV-cache groups): the request recomputes its prompt."""
+        request = self._requests.get(rid)
+        if request is None or rid not in self._receiving:
+            return
+        request.num_computed_tokens = 0  # vLLM then treats the receive as done and schedules the whole prompt
+        logger.warning(
+            "kvplane: the KV of request %s failed to arrive; this vLLM cannot fail one request of a model with "
+            "%d KV-cache groups, so it recomputes the prompt whatever kv_load_failure_policy says", rid,
+            len(self.block_sizes),
+        )
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -172,11 +237,15 @@ class SchedulerSide:
             table.pop(rid, None)
         for g in self.block_sizes:
             self._int_hashes.pop((rid, g), None)
+        if rid in self._held:
+            self._held.discard(rid)
+            self._meta.released.append(rid)
         started = rid in self._layerwise_started
         self._layerwise_started.discard(rid)
         if rid in self._receiving:  # the KV is still arriving: free once nothing can write the blocks
+            self._receiving.discard(rid)
+            self._aborting.add(rid)
             self._meta.aborts.append(rid)
-            self._sending.add(rid)
             return True, None
         params = request.kv_transfer_params or {}
         if not (self.config.is_prefill and params.get("do_remote_decode")):
@@ -188,7 +257,10 @@ class SchedulerSide:
                 return True, None
             return False, None
         num_tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
-        ids = self._blocks_for({g: list(v) for g, v in enumerate(block_ids)}, num_tokens)
+        groups = self._groups(rid, block_ids)
+        if groups is None:
+            return False, None
+        ids = self._blocks_for(groups, num_tokens)
         if num_tokens < 1 or not any(ids.values()):
             return False, None
         self._meta.sends.append(Send(rid, ids, num_tokens, self.transfer_id(rid)))
@@ -210,8 +282,30 @@ class SchedulerSide:
             kvplane_mode=self.config.mode,  # type: ignore[arg-type]
         ).to_dict()
 
+    def held_request_ids(self) -> dict[str, set[str]]:
+        """Every per-request table, by name: all empty once every request has ended (the tests check it)."""
+        return {
+            "scheduler.requests": set(self._requests), "scheduler.block_ids": set(self._block_ids),
+            "scheduler.stored": set(self._stored), "scheduler.matched": set(self._matched),
+            "scheduler.int_hashes": {rid for rid, _ in self._int_hashes},
+            "scheduler.layerwise_started": set(self._layerwise_started), "scheduler.held": set(self._held),
+            "scheduler.receiving": set(self._receiving), "scheduler.aborting": set(self._aborting),
+            "scheduler.sending": set(self._sending),
+        }
+
+    def hit_source(self, request: Any) -> str:
+        """Where the request's external tokens come from: ``p2p`` (a prefill instance) or ``host`` (the host
+        tier; a store-tier hit is fetched through it)."""
+        params = request.kv_transfer_params or {}
+        return "p2p" if params.get("remote_engine_id") is not None else "host"
+
+    def has_pending_block_frees(self) -> bool:
+        """Frees that will come soon without the scheduler doing anything: aborted receives draining, pushes
+        under way (a pull's blocks wait for the decode, up to the lease: not soon)."""
+        return bool(self._aborting) or (self.config.mode in ("push", "layerwise") and bool(self._sending))
+
     def has_pending_push_work(self) -> bool:
-        return self.config.mode in ("push", "layerwise") and bool(self._sending)
+        return self.config.mode in ("push", "layerwise") and bool(self._sending or self._aborting)
 
     def shutdown(self) -> None:
         if self.lookup is not None:

@@ -20,6 +20,7 @@ from kvplane.flows.disagg import Completion, DecodeSide, PrefillSide
 from kvplane.flows.offload import OffloadEngine
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.device import select_backend
+from kvplane.integrations.vllm.holds import LookupHolds
 from kvplane.integrations.vllm.layouts import backend_name, cross_layer_logical, layout_for_backend
 from kvplane.integrations.vllm.lookup import LookupServer, lookup_address
 from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Receive, Send
@@ -43,12 +44,21 @@ class WorkerSide:
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self.lookup_server: LookupServer | None = None
+        self.holds: LookupHolds | None = None  # rank 0: host blocks promised by lookups
         self._lock = threading.Lock()  # the offload engine is single-threaded; the lookup server shares it
         self._load_errors: set[int] = set()
+        self._receiving: set[str] = set()  # receives started and not yet reported
         self._aborted_receives: set[str] = set()
+        self._failed_requests: set[str] = set()  # failed receives to report by request id (several KV-cache groups)
+        self._host_loads: set[str] = set()  # host-tier loads vLLM waits for, reported like receives
+        self._short_loads: set[str] = set()  # ... that could not load every promised block
+        # vLLM maps failed block ids back to requests only when there is one KV-cache group
+        self.failures_by_request = len(getattr(kv_cache_config, "kv_cache_groups", ())) > 1
         self._failed_receives: list[Completion] = []
         self._by_transfer_id: dict[str, str] = {}  # prefill: the id decode knows -> vLLM's request id
         self._pushing_layers = False  # this step's forward completes a layer-wise request's prompt
+        self._step: KVPlaneMetadata | None = None  # bound for the step now running
+        self._saves_started = False
         self.counters = {"loads": 0, "stores": 0, "receives": 0, "sends": 0, "failed_receives": 0,
                          "load_error_blocks": 0}
 
@@ -74,8 +84,9 @@ class WorkerSide:
             self.offload = OffloadEngine(backend, self.spec, kv_caches, self.config.offload, layouts=layouts,
                                          tp_rank=self.tp_rank, tp_size=self.config.tp_size)
             if self.tp_rank == 0:
+                self.holds = LookupHolds(self.offload)
                 self.lookup_server = LookupServer(
-                    lookup_address(self.config.engine_id, self.dp_rank), self.offload.lookup, self._lock
+                    lookup_address(self.config.engine_id, self.dp_rank), self.holds.hold, self._lock
                 )
         if self.config.is_prefill:
             self.prefill = PrefillSide(backend, self.spec, kv_caches, self.config.disagg_for(self.tp_rank),
@@ -153,18 +164,39 @@ class WorkerSide:
         )
 
     # -- per step -----------------------------------------------------------------------------------------
-    def start_load_kv(self, meta: KVPlaneMetadata) -> None:
-        for rid in meta.aborts:
-            self._abort(rid)
-        if self.offload is not None and (meta.loads or meta.stores):
+    def begin_step(self, meta: KVPlaneMetadata) -> None:
+        """vLLM bound this step's metadata (before the forward, in every vLLM): nothing started yet."""
+        self._step, self._saves_started = meta, False
+        self._pushing_layers = False
+
+    def end_step(self) -> None:
+        self._step = None
+
+    def _start_saves(self, meta: KVPlaneMetadata) -> None:
+        """Open this step's stores and layer-wise pushes, once: from ``start_load_kv`` where vLLM calls it before
+        the forward, else from the first ``save_kv_layer`` (vLLM 0.33 calls ``start_load_kv`` after the forward
+        unless the step loads synchronously), so that every layer's copy starts as soon as the layer is done."""
+        if self._saves_started:
+            return
+        self._saves_started = True
+        if self.offload is not None and meta.stores:
             with self._lock:
-                self._offload(self.offload, meta)
-        for receive in meta.receives:
-            self._receive(receive)
+                self._store(self.offload, meta)
         self._pushing_layers = bool(meta.layerwise)
         if self.prefill is not None:
             for send in meta.layerwise:
                 self.prefill.start_request(self._transfer_id(send), send.block_ids, send.num_tokens)
+
+    def start_load_kv(self, meta: KVPlaneMetadata) -> None:
+        for rid in meta.aborts:
+            self._abort(rid)
+        if self.offload is not None and (meta.loads or meta.released):
+            with self._lock:
+                self._load(self.offload, meta)
+        self._start_saves(meta)  # after the loads: a store must not take host blocks a load of this step reads
+        for receive in meta.receives:
+            self._receive(receive)
+        if self.prefill is not None:
             for send in meta.sends:
                 self.prefill.request_finished(self._transfer_id(send), send.block_ids, send.num_tokens)
                 self.counters["sends"] += 1
@@ -174,15 +206,34 @@ class WorkerSide:
         self._by_transfer_id[tid] = send.request_id
         return tid
 
-    def _offload(self, offload: OffloadEngine, meta: KVPlaneMetadata) -> None:
-        """Loads, then stores; a load kvplane refuses fails its blocks, a refused store is skipped (a later miss)."""
+    def _load(self, offload: OffloadEngine, meta: KVPlaneMetadata) -> None:
+        """A load kvplane refuses fails its blocks. A lookup's hold ends once its load holds the blocks itself,
+        or when the scheduler releases it."""
         if meta.loads:
+            waited = [j for j in meta.loads if j.wait_in_vllm]  # reported like receives (several groups)
             try:
-                offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads])
+                loaded = offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads])
                 self.counters["loads"] += len(meta.loads)
             except KvplaneError as e:
                 logger.warning("kvplane: offload loads refused, their blocks will be recomputed: %s", e)
-                self._load_errors.update(b for j in meta.loads for ids in j.block_ids.values() for b in ids)
+                self._load_errors.update(
+                    b for j in meta.loads if not j.wait_in_vllm for ids in j.block_ids.values() for b in ids)
+                self._failed_receives.extend(Completion(j.request_id, "failed", reason=str(e)) for j in waited)
+                waited = []
+            # which blocks a load could not fill is known once it started; ids may repeat across groups, so a
+            # request sharing one with a failed load of another group recomputes too (never the reverse)
+            errors = offload.get_block_ids_with_load_errors() if waited else set()
+            for j in waited:
+                self._receiving.add(j.request_id)
+                self._host_loads.add(j.request_id)
+                if j.request_id not in loaded or any(b in errors for ids in j.block_ids.values() for b in ids):
+                    self._short_loads.add(j.request_id)
+        if self.holds is not None:
+            for rid in [j.request_id for j in meta.loads] + meta.released:
+                self.holds.release(rid)
+
+    def _store(self, offload: OffloadEngine, meta: KVPlaneMetadata) -> None:
+        """A store kvplane refuses is skipped (a later miss)."""
         for job in meta.stores:
             try:
                 offload.start_store(job.request_id, job.hashes, job.block_ids)
@@ -203,6 +254,7 @@ class WorkerSide:
             else:
                 self.decode.register_push(r.request_id, r.params, r.block_ids, r.num_tokens)
             self.counters["receives"] += 1
+            self._receiving.add(r.request_id)
         except KvplaneError as e:  # malformed params: the request recomputes (or fails) by vLLM's policy
             logger.warning("kvplane: request %s cannot receive KV: %s", r.request_id, e)
             failed = {g: tuple(ids) for g, ids in r.block_ids.items()}
@@ -212,12 +264,15 @@ class WorkerSide:
         if self.offload is not None:
             with self._lock:
                 self.offload.abort(rid)
+                if self.holds is not None:
+                    self.holds.release(rid)
         if self.prefill is not None:
             tid = next((t for t, r in self._by_transfer_id.items() if r == rid), rid)
             self.prefill.abort(tid)
-        if self.decode is not None:
+        if rid in self._receiving:  # else already reported: nothing to drain
             self._aborted_receives.add(rid)
-            self.decode.abort(rid)
+            if self.decode is not None and rid not in self._host_loads:
+                self.decode.abort(rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.offload is not None:
@@ -225,6 +280,8 @@ class WorkerSide:
                 self.offload.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str) -> None:
+        if self._step is not None and not self._step.loads:  # a step with loads calls start_load_kv first
+            self._start_saves(self._step)
         if self.offload is not None:
             with self._lock:
                 self.offload.save_layer(layer_name)
@@ -240,34 +297,72 @@ class WorkerSide:
         """(sent or drained after an abort, received) request ids; failures also fill the load errors."""
         sending: set[str] = set()
         recving: set[str] = set()
-        if self.offload is not None:
-            with self._lock:
-                self.offload.get_finished()  # loads and stores finish within their step (wait_for_*)
-        if self.prefill is not None:
-            sending.update(self._by_transfer_id.pop(c.request_id, c.request_id) for c in self.prefill.get_finished())
         completions = list(self._failed_receives)
         self._failed_receives.clear()
+        if self.offload is not None:
+            with self._lock:
+                _, loaded = self.offload.get_finished()  # stores and synchronous loads finish within their step
+            for rid in sorted(loaded & self._host_loads):
+                self._host_loads.discard(rid)
+                short = rid in self._short_loads
+                self._short_loads.discard(rid)
+                completions.append(Completion(rid, "failed" if short else "done",
+                                              reason="host-tier blocks gone since the lookup" if short else ""))
+        if self.prefill is not None:
+            for c in self.prefill.get_finished():
+                if c.request_id not in self._by_transfer_id:  # vLLM asserts on an id it does not hold: a peer's stray or repeated completion
+                    logger.warning("kvplane: request %s is not being sent from here (unknown, or reported "
+                                   "already): its completion is dropped", c.request_id)
+                    continue
+                sending.add(self._by_transfer_id.pop(c.request_id))
         if self.decode is not None:
-            completions.extend(self.decode.get_finished())
+            for c in self.decode.get_finished():
+                if c.request_id not in self._receiving:
+                    logger.warning("kvplane: request %s is not being received here (unknown, or reported "
+                                   "already): its completion is dropped", c.request_id)
+                    continue
+                completions.append(c)
         for c in completions:
-            if not c.ok:
-                self.counters["failed_receives"] += 1
-                self._load_errors.update(c.all_failed_block_ids())
-                logger.warning("kvplane: request %s ended %s: %s", c.request_id, c.state, c.reason)
+            self._receiving.discard(c.request_id)
             if c.request_id in self._aborted_receives:
                 self._aborted_receives.discard(c.request_id)
                 sending.add(c.request_id)  # vLLM was told to wait for it as a delayed free
-            else:
-                recving.add(c.request_id)
+                continue
+            if not c.ok:
+                self.counters["failed_receives"] += 1
+                logger.warning("kvplane: request %s ended %s: %s", c.request_id, c.state, c.reason)
+                if self.failures_by_request:
+                    self._failed_requests.add(c.request_id)
+                else:
+                    self._load_errors.update(c.all_failed_block_ids())
+            recving.add(c.request_id)
         return sending, recving
+
+    def take_failed_requests(self) -> set[str]:
+        """Receives that failed, by request id (reported with ``get_finished``'s receives, or by the next call)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         if self.offload is not None:
             with self._lock:
-                errors |= self.offload.get_block_ids_with_load_errors()
+                offload_errors = self.offload.get_block_ids_with_load_errors()
+            if not self.failures_by_request:  # else those loads are reported by request (get_finished)
+                errors |= offload_errors
         self.counters["load_error_blocks"] += len(errors)
         return errors
+
+    def held_request_ids(self) -> dict[str, set[str]]:
+        """Every per-request table, by name: all empty once every request has ended (the tests check it)."""
+        return {
+            "worker.receiving": set(self._receiving), "worker.aborted_receives": set(self._aborted_receives),
+            "worker.failed_requests": set(self._failed_requests), "worker.host_loads": set(self._host_loads),
+            "worker.short_loads": set(self._short_loads),
+            "worker.lookup_holds": self.holds.held_request_ids() if self.holds is not None else set(),
+            "worker.failed_receives": {c.request_id for c in self._failed_receives},
+            "worker.by_transfer_id": set(self._by_transfer_id.values()),
+        }
 
     def stats(self) -> dict[str, int]:
         """The counters since the last call (vLLM sums them over workers and intervals)."""
@@ -284,6 +379,7 @@ class WorkerSide:
         if self.lookup_server is not None:
             self.lookup_server.close()
             self.lookup_server = None
+        self.holds = None
         for side in (self.prefill, self.decode):
             if side is not None:
                 side.close()

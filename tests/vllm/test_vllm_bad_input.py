@@ -1,0 +1,110 @@
+"""Bad input reaches the connector and nothing raises into vLLM's scheduler loop (``realsched.py``): each case
+is logged once with the request id, and the request ends through ``kv_load_failure_policy``."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
+
+from realsched import RealEngine, reference_digest, tiny_model_dir  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
+
+from kvplane.flows.disagg import Completion  # noqa: E402
+
+PROMPT = [(i * 17 + 3) % 997 for i in range(70)]
+QUICK = {"lease_s": 10.0, "heartbeat_s": 0.5, "handshake_timeout_s": 1.0, "transfer_timeout_s": 3.0,
+         "drain_timeout_s": 1.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def engines() -> Iterator[list[RealEngine]]:
+    made: list[RealEngine] = []
+    yield made
+    for e in made:
+        e.shutdown()
+
+
+def logged(caplog: pytest.LogCaptureFixture, rid: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvplane.vllm" and f"request {rid} " in r.getMessage()]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_token_count_that_is_not_a_number_fails_the_receive_through_the_policy(
+    model_dir: str, engines: list[RealEngine], policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    decode = RealEngine(model_dir, {"disagg": {"mode": "pull", "port": free_port(), **QUICK}}, "kv_consumer",
+                        policy=policy)
+    engines.append(decode)
+    decode.add("d", PROMPT, {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "p-1",
+                             "remote_host": "127.0.0.1", "remote_port": free_port(), "tp_size": 1,
+                             "remote_block_ids": [[1, 2, 3, 4, 5]], "remote_num_tokens": "lots"})
+    with caplog.at_level(logging.WARNING, logger="kvplane.vllm"):
+        out = decode.finish("d")
+    assert out.finish_reason == (FinishReason.LENGTH if policy == "recompute" else FinishReason.ERROR)
+    if policy == "recompute":
+        assert decode.digests["d"] == reference_digest(PROMPT, len(PROMPT))
+    assert any("remote_num_tokens='lots'" in m for m in logged(caplog, "d"))
+    decode.drain()
+    decode.assert_nothing_held()
+
+
+def test_a_completion_for_an_unknown_or_already_reported_request_never_reaches_vllm(
+    model_dir: str, engines: list[RealEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    decode = RealEngine(model_dir, {"disagg": {"mode": "pull", "port": free_port(), **QUICK}}, "kv_consumer")
+    engines.append(decode)
+    side = decode.worker.worker.decode
+    real = side.get_finished
+    seen: list[Completion] = []
+
+    def with_strays(*args: Any, **kwargs: Any) -> list[Completion]:
+        out = list(real(*args, **kwargs))
+        strays = [Completion("ghost", "done"), *seen]  # an id never received, and every earlier one again
+        seen.extend(out)
+        return out + strays
+
+    side.get_finished = with_strays
+    decode.add("d", PROMPT, {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "p-1",
+                             "remote_host": "127.0.0.1", "remote_port": free_port(), "tp_size": 1,
+                             "remote_block_ids": [[1, 2, 3, 4, 5]], "remote_num_tokens": len(PROMPT),
+                             "remote_boot_id": "0123abcd", "kvplane_mode": "pull"})
+    with caplog.at_level(logging.WARNING, logger="kvplane.vllm"):
+        decode.finish("d")  # the pull fails (nobody there): recomputed
+        decode.drain()
+    assert decode.digests["d"] == reference_digest(PROMPT, len(PROMPT))
+    assert logged(caplog, "ghost") and any("reported already" in m for m in logged(caplog, "d"))
+    decode.assert_nothing_held()
+
+
+def test_block_ids_for_the_wrong_number_of_groups_send_nothing(
+    model_dir: str, engines: list[RealEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    prefill = RealEngine(model_dir, {"disagg": {"mode": "pull", "port": free_port(), **QUICK}}, "kv_producer")
+    engines.append(prefill)
+    prefill.add("p", PROMPT, {"do_remote_decode": True})
+    connector = prefill.scheduler.connector
+    real = connector.request_finished_all_groups
+    connector.request_finished_all_groups = lambda request, block_ids: real(request, (*block_ids, [9, 9]))
+    with caplog.at_level(logging.WARNING, logger="kvplane.vllm"):
+        out = prefill.finish("p")
+    assert out.finish_reason == FinishReason.LENGTH and out.kv_transfer_params is None
+    assert len(logged(caplog, "p")) == 1
+    prefill.drain()
+    prefill.assert_nothing_held()
