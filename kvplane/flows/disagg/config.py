@@ -33,7 +33,8 @@ class DisaggConfig:
     sends heartbeats every ``heartbeat_s``. A decode request not done within ``transfer_timeout_s`` of the
     transfer starting (``push_timeout_s`` of registering, for push, which includes the prefill's compute)
     ends ``timed_out``; one whose destination a transfer may still write waits up to ``drain_timeout_s``
-    more before its blocks are released. A handshake not answered in ``handshake_timeout_s`` fails its requests.
+    more before its blocks are released. A handshake not answered in ``handshake_timeout_s`` fails its requests;
+    a peer's transport that does not answer a probe within ``probe_timeout_s`` fails its handshake.
     """
 
     engine_id: str
@@ -50,6 +51,7 @@ class DisaggConfig:
     push_timeout_s: float = 120.0
     drain_timeout_s: float = 10.0
     handshake_timeout_s: float = 10.0
+    probe_timeout_s: float = 3.0  # connecting the transport to a peer that handshook (off the I/O loop)
     staging_bytes: int = 64 * MiB  # destination buffer for transfers that must be re-laid out (decode)
     max_inflight: int = 8  # transfers in flight per peer; more wait their turn
     max_message_bytes: int = 64 * MiB
@@ -66,7 +68,7 @@ class DisaggConfig:
         if self.mode not in MODES:
             raise DisaggConfigError(f"DisaggConfig.mode={self.mode!r} is unknown; use one of {MODES}")
         for name in ("lease_s", "heartbeat_s", "transfer_timeout_s", "push_timeout_s", "drain_timeout_s",
-                     "handshake_timeout_s"):
+                     "handshake_timeout_s", "probe_timeout_s"):
             if not getattr(self, name) > 0:
                 raise DisaggConfigError(f"DisaggConfig.{name}={getattr(self, name)!r} must be > 0 seconds")
         if self.heartbeat_s >= self.lease_s:

@@ -13,7 +13,8 @@ Who calls what (the engine's thread; the vLLM connector wraps these):
 - ``abort(request_id)``: stop; the request is reported once no transfer can write its blocks any more.
 
 Handshakes (manifest and compatibility check, transport descriptors), heartbeats that renew the prefill's
-lease, transfers, staging and re-layout run on this side's I/O loop thread. Every wait is bounded by
+lease, staging and re-layout run on this side's I/O loop thread; transfers on its transfer thread
+(``mover.py``), and ``get_finished`` never waits for either. Messages about a request carry its token. Every wait is bounded by
 ``DisaggConfig``; a prefill rank that vanishes ends its requests ``failed`` or ``timed_out``, never a hang.
 """
 
@@ -37,6 +38,7 @@ from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
+    MAX_HEARTBEAT_IDS,
     Cancel,
     Handshake,
     Heartbeat,
@@ -47,9 +49,10 @@ from kvplane.flows.disagg.messages import (
     ReadDone,
     Reject,
 )
-from kvplane.flows.disagg.outbox import Outbox
+from kvplane.flows.disagg.mover import Mover
 from kvplane.flows.disagg.params import TransferParams
-from kvplane.flows.disagg.peers import check_peer
+from kvplane.flows.disagg.peers import Prober, check_hello, record
+from kvplane.flows.disagg.published import Published
 from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.results import Completion, State
 from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
@@ -78,12 +81,14 @@ class DecodeSide:
         self._conns: dict[tuple[str, int], Conn] = {}
         self._wants: dict[str, Want] = {}
         self._by_remote: dict[tuple[str, str], str] = {}  # (prefill engine id, its request id) -> ours
-        self._completions: list[Completion] = []
+        self._out = Published()
         self._active: set[str] = set()  # the engine thread's view: started and not yet reported
         self._next_heartbeat = 0.0
         self._next_check = 0.0
-        self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick)
-        self._outbox = Outbox(self.local.transport, "READ", config.max_inflight)
+        self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick, self._publish)
+        self._mover = Mover(f"kvplane-decode-{config.rank}-transfers", self.local.transport, "READ",
+                            config.max_inflight, self._loop.submit)
+        self._prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
         self._loop.start()
 
     # -- engine-facing ------------------------------------------------------------------------------------
@@ -93,10 +98,10 @@ class DecodeSide:
     ) -> None:
         """Read the request's KV from the prefill ranks named in ``params`` into ``block_ids``."""
         p = params if isinstance(params, TransferParams) else TransferParams.from_dict(params)
-        if not p.remote_block_ids or not p.remote_boot_id:
+        if not p.remote_block_ids or not p.remote_boot_id or not p.kvplane_token:
             raise DisaggError(
-                f"request {request_id!r}: kv_transfer_params carry no remote_block_ids/remote_boot_id, so there "
-                f"is nothing to pull; forward what the prefill's request_finished returned"
+                f"request {request_id!r}: kv_transfer_params carry no remote_block_ids/remote_boot_id/"
+                f"kvplane_token, so there is nothing to pull; forward what the prefill's request_finished returned"
             )
         want = self._want(request_id, p, block_ids, p.remote_num_tokens if num_tokens is None else num_tokens,
                           "pull", self.config.handshake_timeout_s + self.config.transfer_timeout_s)
@@ -112,6 +117,11 @@ class DecodeSide:
     ) -> None:
         """Offer ``block_ids`` to the prefill ranks named in ``params`` to write the request's KV into."""
         p = params if isinstance(params, TransferParams) else TransferParams.from_dict(params)
+        if not p.kvplane_token:
+            raise DisaggError(
+                f"request {request_id!r}: kv_transfer_params.kvplane_token is empty; a push needs the token the "
+                f"proxy gives both instances (build the params with TransferParams.for_push)"
+            )
         want = self._want(request_id, p, block_ids, num_tokens, "push", self.config.push_timeout_s)
         self._submit(want)
 
@@ -119,20 +129,23 @@ class DecodeSide:
         self._loop.submit(lambda: self._on_abort(request_id))
 
     def get_finished(self, timeout_s: float = 10.0) -> list[Completion]:
-        """Requests that ended since the last call: ``done`` ones may be read, the rest recomputed or failed."""
-        done = self._loop.call(self._drain_completions, timeout_s)
+        """Requests that ended since the last call: ``done`` ones may be read, the rest recomputed or failed.
+        Never waits on the I/O loop; ``timeout_s`` is accepted for older callers and unused."""
+        done = self._out.drain()
         self._active.difference_update(c.request_id for c in done)
         return done
 
     def pending_requests(self, timeout_s: float = 10.0) -> int:
-        return self._loop.call(lambda: len(self._wants), timeout_s)
+        """Requests started and not yet reported by ``get_finished``."""
+        return len(self._active)
 
     def transfers_in_flight(self, timeout_s: float = 10.0) -> int:
-        """Plans of this side queued for or moving through the transport now (tests and stats)."""
-        return self._loop.call(lambda: self._outbox.moving, timeout_s)
+        """Plans of this side queued for or moving through the transport, as the loop last published."""
+        return self._out.in_flight
 
     def close(self) -> None:
         self._loop.stop()
+        self._mover.stop()
         self.local.close()
 
     def __enter__(self) -> DecodeSide:
@@ -148,7 +161,7 @@ class DecodeSide:
                 f"request {request_id!r} is already receiving KV; wait for its Completion from get_finished() "
                 f"before starting it again"
             )
-        ids = self.local.block_ids(request_id, block_ids, num_tokens)
+        ids = self.local.block_ids(request_id, block_ids, num_tokens, distinct=True)
         remote = {g: np.asarray(v, dtype=np.int64) for g, v in p.block_ids(self.local.group_ids).items()} \
             if p.remote_block_ids else {}
         return Want(request_id, p, ids, remote, num_tokens, mode, time.monotonic() + budget_s)
@@ -158,9 +171,8 @@ class DecodeSide:
         self._loop.submit(lambda: self._add(want))
 
     # -- loop: requests -----------------------------------------------------------------------------------
-    def _drain_completions(self) -> list[Completion]:
-        out, self._completions = self._completions, []
-        return out
+    def _publish(self) -> None:
+        self._out.publish(self._mover.moving)
 
     def _add(self, want: Want) -> None:
         rid = want.request_id
@@ -182,7 +194,7 @@ class DecodeSide:
         if conn is None or conn.state == "failed" or stale:
             if conn is not None:
                 self._loop.unwatch(conn.socket)
-            sock = channel.dealer(self._loop.context, host, port)
+            sock = channel.dealer(self._loop.context, host, port, self.config.max_message_bytes)
             conn = Conn(host, port, rank, sock, time.monotonic())
             self._conns[(host, port)] = conn
             self._loop.watch(sock, partial(self._on_readable, conn))
@@ -270,7 +282,7 @@ class DecodeSide:
         want.pending = {rank for rank, _, _ in plans}
         for rank, conn, tp in plans:
             assert conn.record is not None
-            self._outbox.put(conn.record.handle, tp.plan, partial(self._moved, want, rank))
+            self._mover.put(conn.record.handle, tp.plan, partial(self._moved, want, rank))
 
     def _start_push(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]) -> None:
         for rank, layers in sources.items():
@@ -295,6 +307,7 @@ class DecodeSide:
                 staging_addr=self.local.staging_addr + area[0] if area else 0,
                 staging_bytes=area[1] if area else 0,
                 expect_boot=conn.record.boot_id,
+                token=want.params.kvplane_token,
             ), self.counters)
 
     def _moved(self, want: Want, rank: int, error: KvplaneError | None) -> None:
@@ -319,7 +332,12 @@ class DecodeSide:
     # -- loop: messages -----------------------------------------------------------------------------------
     def _on_readable(self, conn: Conn, sock: zmq.Socket[bytes]) -> None:
         for _, message in channel.receive(sock, self.config.max_message_bytes, self.counters, routed=False):
-            self._dispatch(conn, message)
+            try:  # one message that trips a bug never drops the ones behind it
+                self._dispatch(conn, message)
+            except Exception:
+                self.counters.rejected += 1
+                logger.exception("decode rank %d: handling %s failed; dropped", self.config.rank,
+                                 type(message).__name__)
 
     def _dispatch(self, conn: Conn, message: Message) -> None:
         if isinstance(message, Handshake):
@@ -353,13 +371,27 @@ class DecodeSide:
         if conn.state != "handshaking":
             return
         try:
-            record = check_peer(self.local, hello, expect_role="prefill")
+            manifest, info = check_hello(self.local, hello, expect_role="prefill")
             if hello.rank != conn.rank:
                 raise DisaggError(f"{conn.host}:{conn.port} answered as rank {hello.rank}, expected rank {conn.rank}")
         except KvplaneError as e:
             self._conn_failed(conn, str(e))
             return
-        conn.record, conn.state = record, "ready"
+
+        def connected(handle: str, error: str) -> None:
+            if conn.state != "probing":
+                return
+            if error:
+                self._conn_failed(conn, f"its transport does not answer: {error}")
+                return
+            conn.record, conn.state = record(hello, manifest, info, handle), "ready"
+            self._conn_ready(conn)
+
+        conn.state = "probing"
+        if not self._prober.connect(info, connected):
+            self._conn_failed(conn, "too many transports being connected at once")
+
+    def _conn_ready(self, conn: Conn) -> None:
         for rid in list(conn.waiting):
             want = self._wants.get(rid)
             if want is not None:
@@ -385,7 +417,7 @@ class DecodeSide:
         for conn in want.conns:
             if conn.rank in want.pending:
                 channel.send(conn.socket, Cancel(want.params.remote_request_id, self.config.engine_id,
-                                                 self.config.rank), self.counters)
+                                                 self.config.rank, want.params.kvplane_token), self.counters)
 
     def _finish(self, want: Want) -> None:
         """Nothing moves into the request's blocks any more: re-lay out, tell the prefill, report."""
@@ -399,7 +431,8 @@ class DecodeSide:
                 if conn.record is not None:
                     channel.send(conn.socket, ReadDone(
                         want.params.remote_request_id, self.config.engine_id, self.config.rank,
-                        self.config.tp_size, want.state is None, conn.record.boot_id), self.counters)
+                        self.config.tp_size, want.state is None, conn.record.boot_id, want.params.kvplane_token),
+                        self.counters)
         self._complete(want, want.state or "done", want.reason)
 
     def _relayout(self, want: Want) -> None:
@@ -426,23 +459,23 @@ class DecodeSide:
         failed = {} if state == "done" else {g: tuple(int(b) for b in ids) for g, ids in want.block_ids.items()}
         if state != "done":
             logger.warning("decode rank %d: request %s %s (%s)", self.config.rank, want.request_id, state, reason)
-        self._completions.append(Completion(want.request_id, state, failed, reason))
+        self._out.add(Completion(want.request_id, state, failed, reason))
 
     # -- loop: time ---------------------------------------------------------------------------------------
     def _tick(self) -> float:
-        self._outbox.pump()
         now = time.monotonic()
+        self._prober.expire(now)
         if now >= self._next_check:
             self._next_check = now + 0.02
             self._check_deadlines(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.config.heartbeat_s
             self._heartbeat()
-        return 0.0005 if self._outbox.busy else 0.02
+        return 0.02
 
     def _check_deadlines(self, now: float) -> None:
         for conn in list(self._conns.values()):
-            if conn.state == "handshaking" and now - conn.started > self.config.handshake_timeout_s:
+            if conn.state in ("handshaking", "probing") and now - conn.started > self.config.handshake_timeout_s:
                 self._conn_failed(conn, f"no answer to the handshake within {self.config.handshake_timeout_s} s; "
                                         f"is the prefill instance running and reachable?")
         for want in list(self._wants.values()):
@@ -460,15 +493,18 @@ class DecodeSide:
                 self._finish(want)
 
     def _heartbeat(self) -> None:
-        by_conn: dict[tuple[str, int], list[str]] = {}
+        by_conn: dict[tuple[str, int], list[tuple[str, str]]] = {}
         for want in self._wants.values():
             if want.phase in ("connect", "move"):
                 for conn in want.conns:
                     if conn.state == "ready":
-                        by_conn.setdefault((conn.host, conn.port), []).append(want.params.remote_request_id)
-        for key, rids in by_conn.items():
-            channel.send(self._conns[key].socket, Heartbeat(self.config.engine_id, self.config.rank, rids),
-                         self.counters)
+                        by_conn.setdefault((conn.host, conn.port), []).append(
+                            (want.params.remote_request_id, want.params.kvplane_token))
+        for key, requests in by_conn.items():
+            for start in range(0, len(requests), MAX_HEARTBEAT_IDS):
+                channel.send(self._conns[key].socket, Heartbeat(self.config.engine_id, self.config.rank,
+                                                                requests[start : start + MAX_HEARTBEAT_IDS]),
+                             self.counters)
 
 
 def _stand_in_ids(conn: Conn, num_tokens: int) -> dict[int, Ids]:
