@@ -11,7 +11,14 @@ import pytest
 from kvplane.backend import get_backend
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import PlanError
-from kvplane.flows.disagg import DisaggConfig, DisaggError, PrefillSide, ProtocolError, TransferParams, messages
+from kvplane.flows.disagg import (
+    DisaggConfig,
+    DisaggError,
+    PrefillSide,
+    ProtocolError,
+    TransferParams,
+    messages,
+)
 from kvplane.flows.disagg.errors import TransferParamsError
 from kvplane.flows.disagg.limits import RateLimit
 from kvplane.flows.disagg.tokens import is_token, new_token, same_token
