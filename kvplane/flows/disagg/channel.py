@@ -11,6 +11,7 @@ a reply that cannot be delivered (the peer went away) is dropped too: nothing he
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import zmq
 
@@ -21,14 +22,15 @@ logger = logging.getLogger("kvplane.disagg")
 HWM = 100_000  # queued messages per peer before ZMQ drops: far above 200 requests' worth
 
 
-def router(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, max_bytes: int
-           ) -> tuple[zmq.Socket[bytes], int]:
+def router(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, max_bytes: int,
+           secure: Callable[[zmq.Socket[bytes]], None]) -> tuple[zmq.Socket[bytes], int]:
     """A ROUTER bound to ``host:port`` (a free port when 0); returns it and the port. libzmq drops a peer
     that sends a frame over ``max_bytes`` before reading it into memory."""
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown identity raises instead of silently dropping
+    secure(sock)  # CURVE server options, before bind (auth.Guard)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     if port:
@@ -37,13 +39,15 @@ def router(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, max_by
     return sock, sock.bind_to_random_port(f"tcp://{host}")
 
 
-def dealer(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, max_bytes: int) -> zmq.Socket[bytes]:
+def dealer(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, max_bytes: int,
+           secure: Callable[[zmq.Socket[bytes]], None]) -> zmq.Socket[bytes]:
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.setsockopt(zmq.IMMEDIATE, 0)  # queue while connecting: the handshake deadline bounds the wait
+    secure(sock)  # CURVE client options, before connect (auth.Guard)
     sock.connect(f"tcp://{host}:{port}")
     return sock
 

@@ -6,6 +6,7 @@ A frozen dataclass checked on construction; ``from_dict`` takes the JSON-ish dic
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -55,6 +56,12 @@ class DisaggConfig:
     staging_bytes: int = 64 * MiB  # destination buffer for transfers that must be re-laid out (decode)
     max_inflight: int = 8  # transfers in flight per peer; more wait their turn
     max_message_bytes: int = 64 * MiB
+    # side-channel authentication (auth.py): this rank's Z85 secret key (or $KVPLANE_CURVE_SECRET_KEY), the
+    # prefill instances' public key (decode), the decode public keys admitted (prefill)
+    curve_secret_key: str = ""
+    curve_server_key: str = ""
+    curve_allowed_clients: tuple[str, ...] = ()
+    allow_unauthenticated: bool = False  # listen on a non-loopback host without keys: an explicit choice
 
     def __post_init__(self) -> None:
         if not self.engine_id or "/" in self.engine_id:
@@ -82,11 +89,28 @@ class DisaggConfig:
                 f">= 1, max_message_bytes={self.max_message_bytes} >= 4096"
             )
 
+        from kvplane.flows.disagg.auth import SECRET_ENV, is_loopback
+
+        if not (self.curve_secret_key or os.environ.get(SECRET_ENV)) and not is_loopback(self.host) \
+                and not self.allow_unauthenticated:
+            raise DisaggConfigError(
+                f"DisaggConfig.host={self.host!r} is not a loopback address and no CURVE keys are set: anyone who "
+                f"reaches it could hold or end requests. Set curve_secret_key (or {SECRET_ENV}) with "
+                f"curve_server_key / curve_allowed_clients, or allow_unauthenticated=True to accept the risk"
+            )
+
     def rank_port(self, rank: int | None = None) -> int:
         """The side-channel port of ``rank`` (this rank by default); 0 when the base port is 0."""
         return self.port + (self.rank if rank is None else rank) if self.port else 0
 
+    def __repr__(self) -> str:  # never print the secret key
+        shown = {k: v for k, v in self.__dict__.items() if k != "curve_secret_key"}
+        return f"DisaggConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())}, curve_secret_key=<hidden>)"
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> DisaggConfig:
         check_keys(cls, raw, "disaggregation config", DisaggConfigError)
-        return cls(**raw)
+        data = dict(raw)
+        if isinstance(data.get("curve_allowed_clients"), list):  # JSON has no tuples
+            data["curve_allowed_clients"] = tuple(data["curve_allowed_clients"])
+        return cls(**data)

@@ -33,6 +33,7 @@ from kvplane.backend.base import Backend
 from kvplane.blocks.groups import Ids, PerGroup
 from kvplane.errors import KvplaneError, TransferTimeout
 from kvplane.flows.disagg import channel
+from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.local import LocalKV
@@ -86,6 +87,7 @@ class DecodeSide:
         self._next_heartbeat = 0.0
         self._next_check = 0.0
         self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick, self._publish)
+        self._guard = Guard(self._loop.context, curve_keys(config, "decode"))
         self._mover = Mover(f"kvplane-decode-{config.rank}-transfers", self.local.transport, "READ",
                             config.max_inflight, self._loop.submit)
         self._prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
@@ -144,6 +146,7 @@ class DecodeSide:
         return self._out.in_flight
 
     def close(self) -> None:
+        self._guard.stop()
         self._loop.stop()
         self._mover.stop()
         self.local.close()
@@ -194,7 +197,7 @@ class DecodeSide:
         if conn is None or conn.state == "failed" or stale:
             if conn is not None:
                 self._loop.unwatch(conn.socket)
-            sock = channel.dealer(self._loop.context, host, port, self.config.max_message_bytes)
+            sock = channel.dealer(self._loop.context, host, port, self.config.max_message_bytes, self._guard.client)
             conn = Conn(host, port, rank, sock, time.monotonic())
             self._conns[(host, port)] = conn
             self._loop.watch(sock, partial(self._on_readable, conn))

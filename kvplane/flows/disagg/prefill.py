@@ -33,6 +33,7 @@ from kvplane.backend.base import Backend, Event
 from kvplane.blocks.groups import Ids, PerGroup
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.admission import Admission
+from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.errors import DisaggConfigError, DisaggError
 from kvplane.flows.disagg.limits import MAX_EARLY, RateLimit
@@ -91,8 +92,9 @@ class PrefillSide:
         self._out = Published()
         self._engine_tokens: dict[str, str] = {}  # engine thread: handed over, not yet reported
         self._loop = IOLoop(f"kvplane-prefill-{config.rank}", self._tick, self._publish)
+        self._guard = Guard(self._loop.context, curve_keys(config, "prefill"))
         self._socket, self.port = channel.router(self._loop.context, config.host, config.rank_port(),
-                                                 config.max_message_bytes)
+                                                 config.max_message_bytes, self._guard.server)
         self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
                             config.max_inflight, self._loop.submit)
         self._pusher = Pusher(self.local, self._mover, self._settle)
@@ -187,6 +189,7 @@ class PrefillSide:
         return self._out.in_flight
 
     def close(self) -> None:
+        self._guard.stop()
         self._loop.stop()
         self._mover.stop()
         self.local.close()
