@@ -111,7 +111,7 @@ def run_pd(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, push
     pre_params = TransferParams.for_push("prefill-e2e", request, "127.0.0.1", base_port, tp_size=prefill.tp,
                                          mode=mode).to_dict()  # type: ignore[arg-type]
     pushing = mode in ("push", "layerwise")
-    token = pre_params["kvplane_token"] if pushing else None  # the proxy gives the prefill the same token
+    token = pre_params["kvplane_token"]  # a proxy (push) or the scheduler (pull) gives every prefill rank one
     if pushing and push_first:
         for w in d_workers:
             assert w.ask(cmd="push", request_id=request, params=pre_params, table=d_table,

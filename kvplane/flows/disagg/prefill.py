@@ -148,6 +148,11 @@ class PrefillSide:
                     f"request {request_id!r}: mode={self.config.mode!r} needs the token the proxy gave both "
                     f"instances; pass token=params.kvplane_token (build the params with TransferParams.for_push)"
                 )
+            if self.config.tp_size > 1:
+                raise DisaggError(
+                    f"request {request_id!r}: with tp_size={self.config.tp_size} every rank must hold the same "
+                    f"token; draw one with kvplane.flows.disagg.tokens.new_token() and pass token= to each rank"
+                )
             token = new_token()
         elif known is not None and token != known:
             raise DisaggError(f"request {request_id!r}: token differs from the one start_request was given")
