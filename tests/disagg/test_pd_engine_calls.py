@@ -68,3 +68,20 @@ def test_get_finished_returns_while_a_large_nixl_read_is_still_moving() -> None:
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_read_longer_than_the_lease_completes_because_heartbeats_keep_flowing() -> None:
+    """The decode's heartbeats renew the prefill's lease while its transfer thread copies (they used to wait
+    behind NIXL's synchronous copy on the decode's I/O loop, so a READ longer than the lease lost its blocks)."""
+    tokens, blocks = 2 * BIG_TOKENS, 2 * BIG_BLOCKS  # 1 GiB
+    bounds = {"engine": "nixl", "transfer_timeout_s": 60.0, "lease_s": 0.6, "heartbeat_s": 0.1}
+    prefill = make("prefill", BIG, num_blocks=blocks, seed=9, **bounds)  # type: ignore[arg-type]
+    decode = make("decode", BIG, num_blocks=blocks, **bounds)  # type: ignore[arg-type]
+    try:
+        src, dst = prefill.allocate(tokens), decode.allocate(tokens)
+        decode.side.start_pull("long", prefill.side.request_finished("long", src, tokens), dst)
+        assert decode.wait("long", 60).state == "done"
+        assert prefill.wait("long", 30).state == "done"  # not timed_out: the lease never lapsed
+    finally:
+        decode.close()
+        prefill.close()
