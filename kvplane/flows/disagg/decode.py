@@ -30,11 +30,12 @@ import numpy as np
 import zmq
 
 from kvplane.backend.base import Backend
-from kvplane.blocks.groups import Ids, PerGroup
+from kvplane.blocks.groups import PerGroup
 from kvplane.errors import KvplaneError, TransferTimeout
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.decode_start import Starter
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
@@ -45,7 +46,6 @@ from kvplane.flows.disagg.messages import (
     Heartbeat,
     Message,
     Problem,
-    PushRegister,
     PushResult,
     ReadDone,
     Reject,
@@ -56,11 +56,9 @@ from kvplane.flows.disagg.peers import Prober, check_hello, record
 from kvplane.flows.disagg.published import Published
 from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.results import Completion, State
-from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
-from kvplane.plan.relayout import apply_relayout
 
 logger = logging.getLogger("kvplane.disagg")
 
@@ -90,6 +88,7 @@ class DecodeSide:
         self._guard = Guard(self._loop.context, curve_keys(config, "decode"))
         self._mover = Mover(f"kvplane-decode-{config.rank}-transfers", self.local.transport, "READ",
                             config.max_inflight, self._loop.submit)
+        self._starter = Starter(self)
         self._prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
         self._loop.start()
 
@@ -225,93 +224,7 @@ class DecodeSide:
                 self._complete(want, "failed", f"prefill rank {conn.rank} restarted since it finished this "
                                                f"request; the KV it held is gone (recompute it)")
                 return
-        self._start(want)
-
-    def _start(self, want: Want) -> None:
-        try:
-            sources = layers_by_source(self.local.manifest, want.params.tp_size, want.params.remote_request_id)
-            staging = self._take_staging(want, sources)
-        except KvplaneError as e:
-            self._decide(want, "failed", f"cannot plan the transfer: {e}")
-            self._finish(want)  # tells the prefill ranks, so they free their blocks without waiting for the lease
-            return
-        if staging is None:
-            want.waiting_staging = True  # retried on each tick until room frees or the deadline passes
-            return
-        want.waiting_staging = False
-        want.phase = "move"
-        try:
-            if want.mode == "pull":
-                self._start_reads(want, sources, staging)
-            else:
-                self._start_push(want, sources, staging)
-        except KvplaneError as e:
-            self._decide(want, "failed", f"cannot plan the transfer: {e}")
-            self._finish(want)
-
-    def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
-        """Staging ``(offset, bytes)`` per prefill rank that needs it; None when the arena is full for now."""
-        out: dict[int, tuple[int, int]] = {}
-        for rank, layers in sources.items():
-            conn = want.conns[rank]
-            assert conn.record is not None
-            key = tuple(layers)
-            if conn.stages.get(key, True):
-                src_ids = want.remote_ids if want.mode == "pull" else _stand_in_ids(conn, want.num_tokens)
-                need = staging_needed(conn.record.manifest, self.local.manifest, src_ids, want.block_ids,
-                                      want.num_tokens, layers)
-                conn.stages[key] = need > 0
-                if need:
-                    offset = self.local.arena.take(need)
-                    if offset is None:
-                        for o, _ in out.values():
-                            self.local.arena.give(o)
-                        return None
-                    out[rank] = (offset, need)
-        return out
-
-    def _start_reads(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]) -> None:
-        plans = []
-        for rank, layers in sources.items():
-            conn = want.conns[rank]
-            assert conn.record is not None
-            area = staging.get(rank)
-            tp = route_plan(conn.record.manifest, self.local.manifest, want.remote_ids, want.block_ids,
-                            want.num_tokens, layers,
-                            (self.local.staging_addr + area[0], area[1]) if area else None)
-            if area:
-                want.staged.append((area[0], area[1], tp))
-            plans.append((rank, conn, tp))
-        want.pending = {rank for rank, _, _ in plans}
-        for rank, conn, tp in plans:
-            assert conn.record is not None
-            self._mover.put(conn.record.handle, tp.plan, partial(self._moved, want, rank))
-
-    def _start_push(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]) -> None:
-        for rank, layers in sources.items():
-            area = staging.get(rank)
-            if area:  # plan here too, for the staged layers this rank re-lays out once the push lands
-                conn = want.conns[rank]
-                assert conn.record is not None
-                tp = route_plan(conn.record.manifest, self.local.manifest, _stand_in_ids(conn, want.num_tokens),
-                                want.block_ids, want.num_tokens, layers, (self.local.staging_addr + area[0], area[1]))
-                want.staged.append((area[0], area[1], tp))
-        want.pending = set(range(want.params.tp_size))
-        for conn in want.conns:
-            assert conn.record is not None
-            area = staging.get(conn.rank)
-            channel.send(conn.socket, PushRegister(
-                request_id=want.params.remote_request_id,
-                engine_id=self.config.engine_id,
-                rank=self.config.rank,
-                tp_size=self.config.tp_size,
-                block_ids={g: ids.tolist() for g, ids in want.block_ids.items()},
-                num_tokens=want.num_tokens,
-                staging_addr=self.local.staging_addr + area[0] if area else 0,
-                staging_bytes=area[1] if area else 0,
-                expect_boot=conn.record.boot_id,
-                token=want.params.kvplane_token,
-            ), self.counters)
+        self._starter.start(want)
 
     def _moved(self, want: Want, rank: int, error: KvplaneError | None) -> None:
         want.pending.discard(rank)
@@ -426,7 +339,7 @@ class DecodeSide:
         """Nothing moves into the request's blocks any more: re-lay out, tell the prefill, report."""
         if want.state is None:
             try:
-                self._relayout(want)
+                self._starter.relayout(want)
             except Exception as e:  # a re-layout that fails leaves the blocks untrustworthy
                 self._decide(want, "failed", f"re-layout of staged blocks failed: {e!r}")
         if want.mode == "pull":
@@ -437,18 +350,6 @@ class DecodeSide:
                         self.config.tp_size, want.state is None, conn.record.boot_id, want.params.kvplane_token),
                         self.counters)
         self._complete(want, want.state or "done", want.reason)
-
-    def _relayout(self, want: Want) -> None:
-        staging = self.local.staging
-        if not want.staged or staging is None:
-            return
-        for offset, nbytes, tp in want.staged:
-            area = staging[offset : offset + nbytes]
-            for staged in tp.staged:
-                layer = self.spec.layer(staged.layer_name)
-                apply_relayout(staged, area, layer, self.local.layouts[layer.family],
-                               self.kv_caches[staged.layer_name])
-        self.backend.synchronize()
 
     def _complete(self, want: Want, state: State, reason: str = "") -> None:
         for offset, _, _ in want.staged:
@@ -483,7 +384,7 @@ class DecodeSide:
                                         f"is the prefill instance running and reachable?")
         for want in list(self._wants.values()):
             if want.waiting_staging and want.phase == "connect" and want.state is None:
-                self._start(want)
+                self._starter.start(want)
             if want.phase == "connect" and (now > want.deadline or want.state is not None):
                 self._decide(want, "timed_out", "the transfer did not start before the deadline (waiting for the "
                                                 "handshake or for staging room)")
@@ -508,11 +409,3 @@ class DecodeSide:
                 channel.send(self._conns[key].socket, Heartbeat(self.config.engine_id, self.config.rank,
                                                                 requests[start : start + MAX_HEARTBEAT_IDS]),
                              self.counters)
-
-
-def _stand_in_ids(conn: Conn, num_tokens: int) -> dict[int, Ids]:
-    """Source block ids for sizing and planning a push here: the prefill's ids are not known on this side,
-    and where staged layers land depends only on how many source blocks the tokens take."""
-    assert conn.record is not None
-    spec = conn.record.manifest.spec
-    return {g.group_id: np.zeros(-(-num_tokens // g.tokens_per_block), dtype=np.int64) for g in spec.groups}

@@ -35,7 +35,7 @@ from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.admission import Admission
 from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
-from kvplane.flows.disagg.errors import DisaggConfigError, DisaggError
+from kvplane.flows.disagg.errors import DisaggConfigError
 from kvplane.flows.disagg.limits import MAX_EARLY, RateLimit
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
@@ -53,11 +53,11 @@ from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord, Prober
 from kvplane.flows.disagg.prefill_settle import Settler
 from kvplane.flows.disagg.published import Published
-from kvplane.flows.disagg.pusher import Pusher
+from kvplane.flows.disagg.pusher import Pusher, check_destination
 from kvplane.flows.disagg.records import Held, Target
 from kvplane.flows.disagg.results import Completion
 from kvplane.flows.disagg.routes import layers_by_source
-from kvplane.flows.disagg.tokens import new_token, same_token
+from kvplane.flows.disagg.tokens import request_token, same_token
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
@@ -139,25 +139,8 @@ class PrefillSide:
         self._loop.submit(lambda: self._on_handed(request_id, ids, num_tokens, token, finished=False))
 
     def _token(self, request_id: str, token: str | None) -> str:
-        known = self._engine_tokens.get(request_id)
-        if token is None:
-            token = known
-        if token is None:
-            if self.config.mode != "pull":
-                raise DisaggError(
-                    f"request {request_id!r}: mode={self.config.mode!r} needs the token the proxy gave both "
-                    f"instances; pass token=params.kvplane_token (build the params with TransferParams.for_push)"
-                )
-            if self.config.tp_size > 1:
-                raise DisaggError(
-                    f"request {request_id!r}: with tp_size={self.config.tp_size} every rank must hold the same "
-                    f"token; draw one with kvplane.flows.disagg.tokens.new_token() and pass token= to each rank"
-                )
-            token = new_token()
-        elif known is not None and token != known:
-            raise DisaggError(f"request {request_id!r}: token differs from the one start_request was given")
-        TransferParams(remote_engine_id="x", remote_request_id="x", remote_host="x", remote_port=1, tp_size=1,
-                       kvplane_token=token)  # checks the token's format, naming the field
+        token = request_token(request_id, token, self._engine_tokens.get(request_id), self.config.mode,
+                              self.config.tp_size)
         self._engine_tokens[request_id] = token
         return token
 
@@ -346,7 +329,7 @@ class PrefillSide:
         elif rid in self._released and rid not in self._held:
             problem = f"request is no longer held ({self._released[rid][0]})"
         else:
-            problem = _check_destination(peer, reg)
+            problem = check_destination(peer, reg)
         held = self._held.get(rid)
         if not problem and held is None and not self._room_for_early():
             problem = "too many requests registered that this prefill rank was not handed yet; retry later"
@@ -424,17 +407,3 @@ class PrefillSide:
                     self._settler.expire(held)
         return 0.0005 if self._layer_events else 0.05
 
-
-def _check_destination(peer: PeerRecord, reg: PushRegister) -> str:
-    """Why a registration's destination blocks cannot be right for the rank that sent it; "" when they can."""
-    groups = [g.group_id for g in peer.manifest.spec.groups]
-    if sorted(reg.block_ids) != sorted(groups):
-        return f"block_ids name groups {sorted(reg.block_ids)}, the decode's model has {groups}"
-    for g, ids in reg.block_ids.items():
-        pool = min((r.num_blocks for layer in peer.manifest.spec.layers if layer.group_id == g
-                    for r in peer.manifest.regions_of(layer.name)), default=0)
-        if len(ids) > pool or any(b >= pool for b in ids):
-            return f"group {g}: block ids beyond the decode's {pool} blocks"
-        if len(set(ids)) != len(ids):
-            return f"group {g}: a destination block id appears twice"
-    return ""

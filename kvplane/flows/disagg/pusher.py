@@ -16,7 +16,9 @@ from kvplane.blocks.groups import Ids
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.local import LocalKV
+from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.mover import Mover
+from kvplane.flows.disagg.peers import PeerRecord
 from kvplane.flows.disagg.records import Held, Target
 from kvplane.flows.disagg.routes import route_plan
 from kvplane.plan.planner import TransferPlan
@@ -98,3 +100,18 @@ class Pusher:
             self.settle(held)
 
         self.mover.put(target.peer.handle, plan.coalesced(), landed)
+
+
+def check_destination(peer: PeerRecord, reg: PushRegister) -> str:
+    """Why a registration's destination blocks cannot be right for the rank that sent it; "" when they can."""
+    groups = [g.group_id for g in peer.manifest.spec.groups]
+    if sorted(reg.block_ids) != sorted(groups):
+        return f"block_ids name groups {sorted(reg.block_ids)}, the decode's model has {groups}"
+    for g, ids in reg.block_ids.items():
+        pool = min((r.num_blocks for layer in peer.manifest.spec.layers if layer.group_id == g
+                    for r in peer.manifest.regions_of(layer.name)), default=0)
+        if len(ids) > pool or any(b >= pool for b in ids):
+            return f"group {g}: block ids beyond the decode's {pool} blocks"
+        if len(set(ids)) != len(ids):
+            return f"group {g}: a destination block id appears twice"
+    return ""
