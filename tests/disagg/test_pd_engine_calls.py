@@ -73,11 +73,15 @@ def test_get_finished_returns_while_a_large_nixl_read_is_still_moving() -> None:
 def test_a_read_longer_than_the_lease_completes_because_heartbeats_keep_flowing() -> None:
     """The decode's heartbeats renew the prefill's lease while its transfer thread copies (they used to wait
     behind NIXL's synchronous copy on the decode's I/O loop, so a READ longer than the lease lost its blocks)."""
-    tokens, blocks = 2 * BIG_TOKENS, 2 * BIG_BLOCKS  # 1 GiB
+    tokens, blocks = 2 * BIG_TOKENS, 2 * BIG_BLOCKS + 2  # 1 GiB
     bounds = {"engine": "nixl", "transfer_timeout_s": 60.0, "lease_s": 0.6, "heartbeat_s": 0.1}
     prefill = make("prefill", BIG, num_blocks=blocks, seed=9, **bounds)  # type: ignore[arg-type]
     decode = make("decode", BIG, num_blocks=blocks, **bounds)  # type: ignore[arg-type]
     try:
+        warm_src, warm_dst = prefill.allocate(16), decode.allocate(16)  # handshake first: the lease is for the READ
+        decode.side.start_pull("warm", prefill.side.request_finished("warm", warm_src, 16), warm_dst)
+        decode.wait("warm", 30)  # done, or failed when the handshake outlasted the short lease: connected either way
+        prefill.wait("warm", 30)
         src, dst = prefill.allocate(tokens), decode.allocate(tokens)
         decode.side.start_pull("long", prefill.side.request_finished("long", src, tokens), dst)
         assert decode.wait("long", 60).state == "done"

@@ -31,7 +31,7 @@ import zmq
 
 from kvplane.backend.base import Backend, Event
 from kvplane.blocks.groups import Ids, PerGroup
-from kvplane.flows.disagg import channel
+from kvplane.flows.disagg import channel, ownership
 from kvplane.flows.disagg.admission import Admission
 from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
@@ -204,8 +204,10 @@ class PrefillSide:
         held = self._entry(request_id)
         if not held.known:
             self._early -= 1
-        held.block_ids, held.num_tokens, held.known, held.token = ids, num_tokens, True, token
-        self._check_early_word(held)
+        held.block_ids, held.num_tokens = ids, num_tokens
+        for refused in ownership.hand_over(held, token):  # word that came before counts only with the token
+            self._problem(refused.peer.identity, held.request_id, "the push registration's token does not match "
+                          "the request's; register with the kv_transfer_params of this request")
         if finished:
             held.finished = True
             held.deadline = time.monotonic() + self.config.lease_s
@@ -215,29 +217,6 @@ class PrefillSide:
             for target in held.targets.values():
                 self._pusher.build_plans(held, target)
         self._settle(held)
-
-    def _check_early_word(self, held: Held) -> None:
-        """What decode ranks said before the engine handed the request over counts only with its token."""
-        for (engine, rank), (ok, tp, token) in held.early_reads.items():
-            if self._owned(held, engine, token):
-                held.readers[(engine, rank)], held.reader_tp = ok, tp
-        held.early_reads.clear()
-        for key, target in list(held.targets.items()):
-            if target.checked:
-                continue
-            if self._owned(held, key[0], target.register.token):
-                target.checked, held.target_tp = True, target.register.tp_size
-            else:
-                del held.targets[key]
-                self._problem(target.peer.identity, held.request_id, "the push registration's token does not "
-                              "match the request's; register with the kv_transfer_params of this request")
-
-    def _owned(self, held: Held, engine_id: str, token: str) -> bool:
-        """``token`` is the request's, and ``engine_id`` the decode instance that first showed it."""
-        if not held.known or not same_token(held.token, token) or held.owner not in ("", engine_id):
-            return False
-        held.owner = engine_id
-        return True
 
     def _on_abort(self, request_id: str) -> None:
         held = self._held.get(request_id)
@@ -292,7 +271,7 @@ class PrefillSide:
             seen.add(rid)
             held = self._held.get(rid)
             if held is not None:
-                if held.finished and self._owned(held, beat.engine_id, token):
+                if held.finished and ownership.owned(held, beat.engine_id, token):
                     held.deadline = now + self.config.lease_s
             elif rid in self._released and same_token(self._released[rid][1], token):
                 self._problem(identity, rid, self._released[rid][0])
@@ -309,16 +288,10 @@ class PrefillSide:
             # fast decode may be done reading first: keep its word (checked then) until the request comes
             held = self._entry(done.request_id)
             held.deadline = time.monotonic() + self.config.lease_s
-        key = (done.engine_id, done.rank)
-        if not held.known:
-            held.early_reads[key] = (done.ok, done.tp_size, done.token)
-            return
-        if not self._owned(held, done.engine_id, done.token):
+        if not ownership.read_done(held, (done.engine_id, done.rank), done.ok, done.tp_size, done.token):
             self._problem(identity, done.request_id, "ReadDone does not carry this request's token (or comes from "
                           "another decode instance); ignored")
             return
-        held.reader_tp = done.tp_size
-        held.readers[key] = done.ok
         self._settle(held)
 
     def _on_register(self, identity: bytes, peer: PeerRecord, reg: PushRegister) -> None:
@@ -333,7 +306,7 @@ class PrefillSide:
         held = self._held.get(rid)
         if not problem and held is None and not self._room_for_early():
             problem = "too many requests registered that this prefill rank was not handed yet; retry later"
-        if not problem and held is not None and held.known and not self._owned(held, reg.engine_id, reg.token):
+        if not problem and held is not None and not ownership.may_register(held, reg.engine_id, reg.token):
             problem = "the push registration's token does not match the request's"
         if problem:
             self._problem(identity, rid, problem)
