@@ -65,14 +65,13 @@ def check_plan(
 ) -> None:
     """``PlanError`` before anything is submitted when a side leaves registered memory.
 
-    The remote side is checked only when the peer published its spans (``PeerInfo.spans``).
+    Both sides are always checked: a peer that published no spans (``PeerInfo.spans``, None here) has no
+    memory a plan may touch, so a non-empty plan with it is refused rather than sent unchecked.
     """
     if not isinstance(plan, CopyPlan):
         raise PlanError(f"submit() takes a CopyPlan, got {type(plan).__name__}")
     local_side, remote_side = side_names(op)
-    checks = [("local", local_side, local_spans)]
-    if remote_spans is not None:
-        checks.append((f"remote ({peer})", remote_side, remote_spans))
+    checks = [("local", local_side, local_spans), (f"remote ({peer})", remote_side, remote_spans or [])]
     for who, side, spans in checks:
         if not spans and len(plan):
             fix = "call register() before submit()" if who == "local" else "the peer must register memory"

@@ -7,6 +7,7 @@ they go back only when the side reports the request, so a leak shows as a pool t
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -76,10 +77,13 @@ def make(role: str, spec: KVSpec, layout: str = "packed_kv", num_blocks: int = 6
     return Engine(side, spec, cache, layout, BlockPool(num_blocks))
 
 
+def token_for(request_id: str) -> str:
+    """The token a test proxy gives both instances for ``request_id`` (push modes)."""
+    return hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
+
+
 def push_params(prefill_port: int, request_id: str, engine_id: str, tp: int = 1) -> TransferParams:
-    """What a proxy tells a decode instance before the prefill has run (push mode)."""
-    return TransferParams(
-        remote_engine_id=engine_id, remote_request_id=request_id, remote_block_ids=[], remote_host="127.0.0.1",
-        remote_port=prefill_port, tp_size=tp, remote_block_size=16, remote_num_tokens=0, remote_boot_id="",
-        kvplane_mode="push",
-    )
+    """What a proxy tells a decode instance before the prefill has run (push mode); the prefill gets
+    ``token=token_for(request_id)``."""
+    return TransferParams.for_push(engine_id, request_id, "127.0.0.1", prefill_port, tp_size=tp,
+                                   token=token_for(request_id))

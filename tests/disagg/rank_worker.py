@@ -9,7 +9,7 @@ process group so the model can all-gather head outputs. Commands (``cmd``) and r
 - ``setup_cache`` (role, spec, layout, config, num_blocks, seed) -> the same for a bare cache holding a seeded
   pattern, and ``hold`` (request_id, table, num_tokens) -> {params}: ``request_finished`` without a model;
 - ``digest`` (table, tokens) -> {digest}: of a request's tokens, to compare caches across processes;
-- ``prefill`` (request_id, prompt, table, layerwise) -> {params, logits, first}: the prompt's forward, with
+- ``prefill`` (request_id, prompt, table, layerwise, token) -> {params, logits, first}: the prompt's forward, with
   ``start_request``/``save_layer`` hooks when layer-wise, then ``request_finished``;
 - ``pull`` / ``push`` (request_id, params, table, num_tokens) -> {}: ``start_pull`` / ``register_push``;
 - ``wait`` (request_id, within) -> the request's completion, or {state: "none"} when none came in time;
@@ -63,7 +63,8 @@ class Worker:
             return self.prefill(msg)
         if cmd == "hold":
             table = {int(g): v for g, v in msg["table"].items()}
-            return {"params": self.side.request_finished(msg["request_id"], table, msg["num_tokens"]).to_dict()}
+            params = self.side.request_finished(msg["request_id"], table, msg["num_tokens"], token=msg.get("token"))
+            return {"params": params.to_dict()}
         if cmd == "digest":
             table = {int(g): v for g, v in msg["table"].items()}
             return {"digest": digest(self.spec, self.cache, self.layout, table, msg["tokens"])}
@@ -138,7 +139,7 @@ class Worker:
         table = {int(g): v for g, v in msg["table"].items()}
         layerwise = msg.get("layerwise", False)
         if layerwise:
-            self.side.start_request(rid, table, len(prompt))
+            self.side.start_request(rid, table, len(prompt), token=msg.get("token"))
         delay = float(msg.get("layer_delay_s", 0.0))
 
         def after(name: str) -> None:
@@ -148,7 +149,7 @@ class Worker:
                 time.sleep(delay)  # a slower model: gives pushes something to overlap with
 
         logits = self.model.forward(prompt, 0, table, self.gather, after_layer=after)[-1]
-        params = self.side.request_finished(rid, table, len(prompt))
+        params = self.side.request_finished(rid, table, len(prompt), token=msg.get("token"))
         return {"params": params.to_dict(), "logits": logits.numpy().tobytes(), "first": int(logits.argmax())}
 
     def collect(self) -> None:

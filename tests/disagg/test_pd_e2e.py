@@ -21,6 +21,7 @@ from kvref import split_choice
 from rank_pool import Pool
 from tiny_model import Shape, TinyDecoder
 
+from kvplane.flows.disagg import TransferParams
 from kvplane.kv.binding import allocate_cache
 
 pytestmark = pytest.mark.integration
@@ -110,17 +111,17 @@ def run_pd(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, push
     p_workers, d_workers, base_port = setup(pool, prefill, decode, engine, mode)
     request = f"req-{uuid.uuid4().hex[:6]}"
     p_table, d_table = prefill.table(1, len(PROMPT)), decode.table(2, len(PROMPT) + STEPS)
-    pre_params = {"remote_engine_id": "prefill-e2e", "remote_request_id": request, "remote_block_ids": [],
-                  "remote_host": "127.0.0.1", "remote_port": base_port, "tp_size": prefill.tp,
-                  "remote_block_size": prefill.block, "remote_num_tokens": 0, "remote_boot_id": "",
-                  "kvplane_mode": mode}
+    pre_params = TransferParams.for_push("prefill-e2e", request, "127.0.0.1", base_port, tp_size=prefill.tp,
+                                         mode=mode).to_dict()  # type: ignore[arg-type]
     pushing = mode in ("push", "layerwise")
+    token = pre_params["kvplane_token"]  # a proxy (push) or the scheduler (pull) gives every prefill rank one
     if pushing and push_first:
         for w in d_workers:
             assert w.ask(cmd="push", request_id=request, params=pre_params, table=d_table,
                          num_tokens=len(PROMPT)) == {}
     for w in p_workers:
-        w.send(cmd="prefill", request_id=request, prompt=PROMPT, table=p_table, layerwise=mode == "layerwise")
+        w.send(cmd="prefill", request_id=request, prompt=PROMPT, table=p_table, layerwise=mode == "layerwise",
+               token=token)
     outs = [w.read(60) for w in p_workers]
     assert all("error" not in o for o in outs), outs
     for w in d_workers:

@@ -11,6 +11,7 @@ from kvfill import digest
 from pair import make, small_spec
 
 from kvplane.flows.disagg import TransferParams
+from kvplane.flows.disagg.tokens import new_token
 
 pytestmark = pytest.mark.integration
 
@@ -24,13 +25,13 @@ def test_a_read_done_that_beats_request_finished_still_releases_the_blocks_at_on
         params = TransferParams(  # exactly what request_finished will return, known before it runs
             remote_engine_id=prefill.side.config.engine_id, remote_request_id="early", remote_block_ids=[src],
             remote_host="127.0.0.1", remote_port=prefill.side.base_port, tp_size=1, remote_block_size=16,
-            remote_num_tokens=40, remote_boot_id=prefill.side.local.boot_id,
+            remote_num_tokens=40, remote_boot_id=prefill.side.local.boot_id, kvplane_token=new_token(),
         )
         dst = decode.allocate(40)
         decode.side.start_pull("d-early", params, dst)
         assert decode.wait("d-early").state == "done"
         time.sleep(0.2)  # the ReadDone is at the prefill now, for a request it has not been handed
-        assert prefill.side.request_finished("early", src, 40) == params
+        assert prefill.side.request_finished("early", src, 40, token=params.kvplane_token) == params
         done = prefill.wait("early", within_s=5.0)  # not the 20 s lease
         assert done.state == "done", done
         assert digest(spec, decode.cache, decode.layout, {0: dst}, 40) == \

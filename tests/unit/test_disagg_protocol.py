@@ -29,10 +29,10 @@ from kvplane.kv.spec import KVSpec
 ALL = [
     messages.Handshake("e", "b", "decode", 0, 2, b"m", b"p", "f"),
     messages.Reject("layers", "a", "b", "why"),
-    messages.Heartbeat("e", 1, ["r1", "r2"]),
-    messages.ReadDone("r", "e", 1, 2, True, "b"),
-    messages.PushRegister("r", "e", 0, 1, {0: [1, 2], 1: [3]}, 40, 4096, 128, "b"),
-    messages.Cancel("r", "e", 0),
+    messages.Heartbeat("e", 1, [("r1", "t1"), ("r2", "t2")]),
+    messages.ReadDone("r", "e", 1, 2, True, "b", "t"),
+    messages.PushRegister("r", "e", 0, 1, {0: [1, 2], 1: [3]}, 40, 4096, 128, "b", "t"),
+    messages.Cancel("r", "e", 0, "t"),
     messages.PushResult("r", 1, False, "gone"),
     messages.Problem("r", 0, "stale"),
 ]

@@ -1,5 +1,8 @@
 """Sending and receiving side-channel messages on ZMQ sockets, on the I/O loop's thread.
 
+Every socket carries ``zmq.MAXMSGSIZE`` (``DisaggConfig.max_message_bytes``), so an oversized frame is refused
+by libzmq before it is read whole.
+
 The prefill rank binds a ROUTER socket; each decode rank talks to it through one DEALER socket per prefill
 rank. Frames are ``[identity,] payload``; a payload that does not decode is logged, counted and dropped, and
 a reply that cannot be delivered (the peer went away) is dropped too: nothing here raises into the loop.
@@ -8,6 +11,7 @@ a reply that cannot be delivered (the peer went away) is dropped too: nothing he
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import zmq
 
@@ -18,11 +22,15 @@ logger = logging.getLogger("kvplane.disagg")
 HWM = 100_000  # queued messages per peer before ZMQ drops: far above 200 requests' worth
 
 
-def router(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int) -> tuple[zmq.Socket[bytes], int]:
-    """A ROUTER bound to ``host:port`` (a free port when 0); returns it and the port."""
+def router(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, max_bytes: int,
+           secure: Callable[[zmq.Socket[bytes]], None]) -> tuple[zmq.Socket[bytes], int]:
+    """A ROUTER bound to ``host:port`` (a free port when 0); returns it and the port. libzmq drops a peer
+    that sends a frame over ``max_bytes`` before reading it into memory."""
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown identity raises instead of silently dropping
+    secure(sock)  # CURVE server options, before bind (auth.Guard)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     if port:
@@ -31,12 +39,15 @@ def router(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int) -> tup
     return sock, sock.bind_to_random_port(f"tcp://{host}")
 
 
-def dealer(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int) -> zmq.Socket[bytes]:
+def dealer(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, max_bytes: int,
+           secure: Callable[[zmq.Socket[bytes]], None]) -> zmq.Socket[bytes]:
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.setsockopt(zmq.IMMEDIATE, 0)  # queue while connecting: the handshake deadline bounds the wait
+    secure(sock)  # CURVE client options, before connect (auth.Guard)
     sock.connect(f"tcp://{host}:{port}")
     return sock
 

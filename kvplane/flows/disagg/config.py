@@ -6,6 +6,7 @@ A frozen dataclass checked on construction; ``from_dict`` takes the JSON-ish dic
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,7 +34,8 @@ class DisaggConfig:
     sends heartbeats every ``heartbeat_s``. A decode request not done within ``transfer_timeout_s`` of the
     transfer starting (``push_timeout_s`` of registering, for push, which includes the prefill's compute)
     ends ``timed_out``; one whose destination a transfer may still write waits up to ``drain_timeout_s``
-    more before its blocks are released. A handshake not answered in ``handshake_timeout_s`` fails its requests.
+    more before its blocks are released. A handshake not answered in ``handshake_timeout_s`` fails its requests;
+    a peer's transport that does not answer a probe within ``probe_timeout_s`` fails its handshake.
     """
 
     engine_id: str
@@ -50,9 +52,16 @@ class DisaggConfig:
     push_timeout_s: float = 120.0
     drain_timeout_s: float = 10.0
     handshake_timeout_s: float = 10.0
+    probe_timeout_s: float = 3.0  # connecting the transport to a peer that handshook (off the I/O loop)
     staging_bytes: int = 64 * MiB  # destination buffer for transfers that must be re-laid out (decode)
     max_inflight: int = 8  # transfers in flight per peer; more wait their turn
     max_message_bytes: int = 64 * MiB
+    # side-channel authentication (auth.py): this rank's Z85 secret key (or $KVPLANE_CURVE_SECRET_KEY), the
+    # prefill instances' public key (decode), the decode public keys admitted (prefill)
+    curve_secret_key: str = ""
+    curve_server_key: str = ""
+    curve_allowed_clients: tuple[str, ...] = ()
+    allow_unauthenticated: bool = False  # listen on a non-loopback host without keys: an explicit choice
 
     def __post_init__(self) -> None:
         if not self.engine_id or "/" in self.engine_id:
@@ -66,7 +75,7 @@ class DisaggConfig:
         if self.mode not in MODES:
             raise DisaggConfigError(f"DisaggConfig.mode={self.mode!r} is unknown; use one of {MODES}")
         for name in ("lease_s", "heartbeat_s", "transfer_timeout_s", "push_timeout_s", "drain_timeout_s",
-                     "handshake_timeout_s"):
+                     "handshake_timeout_s", "probe_timeout_s"):
             if not getattr(self, name) > 0:
                 raise DisaggConfigError(f"DisaggConfig.{name}={getattr(self, name)!r} must be > 0 seconds")
         if self.heartbeat_s >= self.lease_s:
@@ -80,11 +89,28 @@ class DisaggConfig:
                 f">= 1, max_message_bytes={self.max_message_bytes} >= 4096"
             )
 
+        from kvplane.flows.disagg.auth import SECRET_ENV, is_loopback
+
+        if not (self.curve_secret_key or os.environ.get(SECRET_ENV)) and not is_loopback(self.host) \
+                and not self.allow_unauthenticated:
+            raise DisaggConfigError(
+                f"DisaggConfig.host={self.host!r} is not a loopback address and no CURVE keys are set: anyone who "
+                f"reaches it could hold or end requests. Set curve_secret_key (or {SECRET_ENV}) with "
+                f"curve_server_key / curve_allowed_clients, or allow_unauthenticated=True to accept the risk"
+            )
+
     def rank_port(self, rank: int | None = None) -> int:
         """The side-channel port of ``rank`` (this rank by default); 0 when the base port is 0."""
         return self.port + (self.rank if rank is None else rank) if self.port else 0
 
+    def __repr__(self) -> str:  # never print the secret key
+        shown = {k: v for k, v in self.__dict__.items() if k != "curve_secret_key"}
+        return f"DisaggConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())}, curve_secret_key=<hidden>)"
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> DisaggConfig:
         check_keys(cls, raw, "disaggregation config", DisaggConfigError)
-        return cls(**raw)
+        data = dict(raw)
+        if isinstance(data.get("curve_allowed_clients"), list):  # JSON has no tuples
+            data["curve_allowed_clients"] = tuple(data["curve_allowed_clients"])
+        return cls(**data)

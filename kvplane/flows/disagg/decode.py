@@ -13,7 +13,8 @@ Who calls what (the engine's thread; the vLLM connector wraps these):
 - ``abort(request_id)``: stop; the request is reported once no transfer can write its blocks any more.
 
 Handshakes (manifest and compatibility check, transport descriptors), heartbeats that renew the prefill's
-lease, transfers, staging and re-layout run on this side's I/O loop thread. Every wait is bounded by
+lease, staging and re-layout run on this side's I/O loop thread; transfers on its transfer thread
+(``mover.py``), and ``get_finished`` never waits for either. Messages about a request carry its token. Every wait is bounded by
 ``DisaggConfig``; a prefill rank that vanishes ends its requests ``failed`` or ``timed_out``, never a hang.
 """
 
@@ -29,34 +30,35 @@ import numpy as np
 import zmq
 
 from kvplane.backend.base import Backend
-from kvplane.blocks.groups import Ids, PerGroup
+from kvplane.blocks.groups import PerGroup
 from kvplane.errors import KvplaneError, TransferTimeout
 from kvplane.flows.disagg import channel
+from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.decode_start import Starter
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
+    MAX_HEARTBEAT_IDS,
     Cancel,
     Handshake,
     Heartbeat,
     Message,
     Problem,
-    PushRegister,
     PushResult,
     ReadDone,
     Reject,
 )
-from kvplane.flows.disagg.outbox import Outbox
+from kvplane.flows.disagg.mover import Mover
 from kvplane.flows.disagg.params import TransferParams
-from kvplane.flows.disagg.peers import check_peer
+from kvplane.flows.disagg.peers import Prober, check_hello, record
+from kvplane.flows.disagg.published import Published
 from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.results import Completion, State
-from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
-from kvplane.plan.relayout import apply_relayout
 
 logger = logging.getLogger("kvplane.disagg")
 
@@ -78,12 +80,16 @@ class DecodeSide:
         self._conns: dict[tuple[str, int], Conn] = {}
         self._wants: dict[str, Want] = {}
         self._by_remote: dict[tuple[str, str], str] = {}  # (prefill engine id, its request id) -> ours
-        self._completions: list[Completion] = []
+        self._out = Published()
         self._active: set[str] = set()  # the engine thread's view: started and not yet reported
         self._next_heartbeat = 0.0
         self._next_check = 0.0
-        self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick)
-        self._outbox = Outbox(self.local.transport, "READ", config.max_inflight)
+        self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick, self._publish)
+        self._guard = Guard(self._loop.context, curve_keys(config, "decode"))
+        self._mover = Mover(f"kvplane-decode-{config.rank}-transfers", self.local.transport, "READ",
+                            config.max_inflight, self._loop.submit)
+        self._starter = Starter(self)
+        self._prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
         self._loop.start()
 
     # -- engine-facing ------------------------------------------------------------------------------------
@@ -93,10 +99,10 @@ class DecodeSide:
     ) -> None:
         """Read the request's KV from the prefill ranks named in ``params`` into ``block_ids``."""
         p = params if isinstance(params, TransferParams) else TransferParams.from_dict(params)
-        if not p.remote_block_ids or not p.remote_boot_id:
+        if not p.remote_block_ids or not p.remote_boot_id or not p.kvplane_token:
             raise DisaggError(
-                f"request {request_id!r}: kv_transfer_params carry no remote_block_ids/remote_boot_id, so there "
-                f"is nothing to pull; forward what the prefill's request_finished returned"
+                f"request {request_id!r}: kv_transfer_params carry no remote_block_ids/remote_boot_id/"
+                f"kvplane_token, so there is nothing to pull; forward what the prefill's request_finished returned"
             )
         want = self._want(request_id, p, block_ids, p.remote_num_tokens if num_tokens is None else num_tokens,
                           "pull", self.config.handshake_timeout_s + self.config.transfer_timeout_s)
@@ -112,6 +118,11 @@ class DecodeSide:
     ) -> None:
         """Offer ``block_ids`` to the prefill ranks named in ``params`` to write the request's KV into."""
         p = params if isinstance(params, TransferParams) else TransferParams.from_dict(params)
+        if not p.kvplane_token:
+            raise DisaggError(
+                f"request {request_id!r}: kv_transfer_params.kvplane_token is empty; a push needs the token the "
+                f"proxy gives both instances (build the params with TransferParams.for_push)"
+            )
         want = self._want(request_id, p, block_ids, num_tokens, "push", self.config.push_timeout_s)
         self._submit(want)
 
@@ -119,20 +130,24 @@ class DecodeSide:
         self._loop.submit(lambda: self._on_abort(request_id))
 
     def get_finished(self, timeout_s: float = 10.0) -> list[Completion]:
-        """Requests that ended since the last call: ``done`` ones may be read, the rest recomputed or failed."""
-        done = self._loop.call(self._drain_completions, timeout_s)
+        """Requests that ended since the last call: ``done`` ones may be read, the rest recomputed or failed.
+        Never waits on the I/O loop; ``timeout_s`` is accepted for older callers and unused."""
+        done = self._out.drain()
         self._active.difference_update(c.request_id for c in done)
         return done
 
     def pending_requests(self, timeout_s: float = 10.0) -> int:
-        return self._loop.call(lambda: len(self._wants), timeout_s)
+        """Requests started and not yet reported by ``get_finished``."""
+        return len(self._active)
 
     def transfers_in_flight(self, timeout_s: float = 10.0) -> int:
-        """Plans of this side queued for or moving through the transport now (tests and stats)."""
-        return self._loop.call(lambda: self._outbox.moving, timeout_s)
+        """Plans of this side queued for or moving through the transport, as the loop last published."""
+        return self._out.in_flight
 
     def close(self) -> None:
+        self._guard.stop()
         self._loop.stop()
+        self._mover.stop()
         self.local.close()
 
     def __enter__(self) -> DecodeSide:
@@ -148,7 +163,7 @@ class DecodeSide:
                 f"request {request_id!r} is already receiving KV; wait for its Completion from get_finished() "
                 f"before starting it again"
             )
-        ids = self.local.block_ids(request_id, block_ids, num_tokens)
+        ids = self.local.block_ids(request_id, block_ids, num_tokens, distinct=True)
         remote = {g: np.asarray(v, dtype=np.int64) for g, v in p.block_ids(self.local.group_ids).items()} \
             if p.remote_block_ids else {}
         return Want(request_id, p, ids, remote, num_tokens, mode, time.monotonic() + budget_s)
@@ -158,9 +173,8 @@ class DecodeSide:
         self._loop.submit(lambda: self._add(want))
 
     # -- loop: requests -----------------------------------------------------------------------------------
-    def _drain_completions(self) -> list[Completion]:
-        out, self._completions = self._completions, []
-        return out
+    def _publish(self) -> None:
+        self._out.publish(self._mover.moving)
 
     def _add(self, want: Want) -> None:
         rid = want.request_id
@@ -182,7 +196,7 @@ class DecodeSide:
         if conn is None or conn.state == "failed" or stale:
             if conn is not None:
                 self._loop.unwatch(conn.socket)
-            sock = channel.dealer(self._loop.context, host, port)
+            sock = channel.dealer(self._loop.context, host, port, self.config.max_message_bytes, self._guard.client)
             conn = Conn(host, port, rank, sock, time.monotonic())
             self._conns[(host, port)] = conn
             self._loop.watch(sock, partial(self._on_readable, conn))
@@ -210,92 +224,7 @@ class DecodeSide:
                 self._complete(want, "failed", f"prefill rank {conn.rank} restarted since it finished this "
                                                f"request; the KV it held is gone (recompute it)")
                 return
-        self._start(want)
-
-    def _start(self, want: Want) -> None:
-        try:
-            sources = layers_by_source(self.local.manifest, want.params.tp_size, want.params.remote_request_id)
-            staging = self._take_staging(want, sources)
-        except KvplaneError as e:
-            self._decide(want, "failed", f"cannot plan the transfer: {e}")
-            self._finish(want)  # tells the prefill ranks, so they free their blocks without waiting for the lease
-            return
-        if staging is None:
-            want.waiting_staging = True  # retried on each tick until room frees or the deadline passes
-            return
-        want.waiting_staging = False
-        want.phase = "move"
-        try:
-            if want.mode == "pull":
-                self._start_reads(want, sources, staging)
-            else:
-                self._start_push(want, sources, staging)
-        except KvplaneError as e:
-            self._decide(want, "failed", f"cannot plan the transfer: {e}")
-            self._finish(want)
-
-    def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
-        """Staging ``(offset, bytes)`` per prefill rank that needs it; None when the arena is full for now."""
-        out: dict[int, tuple[int, int]] = {}
-        for rank, layers in sources.items():
-            conn = want.conns[rank]
-            assert conn.record is not None
-            key = tuple(layers)
-            if conn.stages.get(key, True):
-                src_ids = want.remote_ids if want.mode == "pull" else _stand_in_ids(conn, want.num_tokens)
-                need = staging_needed(conn.record.manifest, self.local.manifest, src_ids, want.block_ids,
-                                      want.num_tokens, layers)
-                conn.stages[key] = need > 0
-                if need:
-                    offset = self.local.arena.take(need)
-                    if offset is None:
-                        for o, _ in out.values():
-                            self.local.arena.give(o)
-                        return None
-                    out[rank] = (offset, need)
-        return out
-
-    def _start_reads(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]) -> None:
-        plans = []
-        for rank, layers in sources.items():
-            conn = want.conns[rank]
-            assert conn.record is not None
-            area = staging.get(rank)
-            tp = route_plan(conn.record.manifest, self.local.manifest, want.remote_ids, want.block_ids,
-                            want.num_tokens, layers,
-                            (self.local.staging_addr + area[0], area[1]) if area else None)
-            if area:
-                want.staged.append((area[0], area[1], tp))
-            plans.append((rank, conn, tp))
-        want.pending = {rank for rank, _, _ in plans}
-        for rank, conn, tp in plans:
-            assert conn.record is not None
-            self._outbox.put(conn.record.handle, tp.plan, partial(self._moved, want, rank))
-
-    def _start_push(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]) -> None:
-        for rank, layers in sources.items():
-            area = staging.get(rank)
-            if area:  # plan here too, for the staged layers this rank re-lays out once the push lands
-                conn = want.conns[rank]
-                assert conn.record is not None
-                tp = route_plan(conn.record.manifest, self.local.manifest, _stand_in_ids(conn, want.num_tokens),
-                                want.block_ids, want.num_tokens, layers, (self.local.staging_addr + area[0], area[1]))
-                want.staged.append((area[0], area[1], tp))
-        want.pending = set(range(want.params.tp_size))
-        for conn in want.conns:
-            assert conn.record is not None
-            area = staging.get(conn.rank)
-            channel.send(conn.socket, PushRegister(
-                request_id=want.params.remote_request_id,
-                engine_id=self.config.engine_id,
-                rank=self.config.rank,
-                tp_size=self.config.tp_size,
-                block_ids={g: ids.tolist() for g, ids in want.block_ids.items()},
-                num_tokens=want.num_tokens,
-                staging_addr=self.local.staging_addr + area[0] if area else 0,
-                staging_bytes=area[1] if area else 0,
-                expect_boot=conn.record.boot_id,
-            ), self.counters)
+        self._starter.start(want)
 
     def _moved(self, want: Want, rank: int, error: KvplaneError | None) -> None:
         want.pending.discard(rank)
@@ -319,7 +248,12 @@ class DecodeSide:
     # -- loop: messages -----------------------------------------------------------------------------------
     def _on_readable(self, conn: Conn, sock: zmq.Socket[bytes]) -> None:
         for _, message in channel.receive(sock, self.config.max_message_bytes, self.counters, routed=False):
-            self._dispatch(conn, message)
+            try:  # one message that trips a bug never drops the ones behind it
+                self._dispatch(conn, message)
+            except Exception:
+                self.counters.rejected += 1
+                logger.exception("decode rank %d: handling %s failed; dropped", self.config.rank,
+                                 type(message).__name__)
 
     def _dispatch(self, conn: Conn, message: Message) -> None:
         if isinstance(message, Handshake):
@@ -353,13 +287,27 @@ class DecodeSide:
         if conn.state != "handshaking":
             return
         try:
-            record = check_peer(self.local, hello, expect_role="prefill")
+            manifest, info = check_hello(self.local, hello, expect_role="prefill")
             if hello.rank != conn.rank:
                 raise DisaggError(f"{conn.host}:{conn.port} answered as rank {hello.rank}, expected rank {conn.rank}")
         except KvplaneError as e:
             self._conn_failed(conn, str(e))
             return
-        conn.record, conn.state = record, "ready"
+
+        def connected(handle: str, error: str) -> None:
+            if conn.state != "probing":
+                return
+            if error:
+                self._conn_failed(conn, f"its transport does not answer: {error}")
+                return
+            conn.record, conn.state = record(hello, manifest, info, handle), "ready"
+            self._conn_ready(conn)
+
+        conn.state = "probing"
+        if not self._prober.connect(info, connected):
+            self._conn_failed(conn, "too many transports being connected at once")
+
+    def _conn_ready(self, conn: Conn) -> None:
         for rid in list(conn.waiting):
             want = self._wants.get(rid)
             if want is not None:
@@ -385,13 +333,13 @@ class DecodeSide:
         for conn in want.conns:
             if conn.rank in want.pending:
                 channel.send(conn.socket, Cancel(want.params.remote_request_id, self.config.engine_id,
-                                                 self.config.rank), self.counters)
+                                                 self.config.rank, want.params.kvplane_token), self.counters)
 
     def _finish(self, want: Want) -> None:
         """Nothing moves into the request's blocks any more: re-lay out, tell the prefill, report."""
         if want.state is None:
             try:
-                self._relayout(want)
+                self._starter.relayout(want)
             except Exception as e:  # a re-layout that fails leaves the blocks untrustworthy
                 self._decide(want, "failed", f"re-layout of staged blocks failed: {e!r}")
         if want.mode == "pull":
@@ -399,20 +347,9 @@ class DecodeSide:
                 if conn.record is not None:
                     channel.send(conn.socket, ReadDone(
                         want.params.remote_request_id, self.config.engine_id, self.config.rank,
-                        self.config.tp_size, want.state is None, conn.record.boot_id), self.counters)
+                        self.config.tp_size, want.state is None, conn.record.boot_id, want.params.kvplane_token),
+                        self.counters)
         self._complete(want, want.state or "done", want.reason)
-
-    def _relayout(self, want: Want) -> None:
-        staging = self.local.staging
-        if not want.staged or staging is None:
-            return
-        for offset, nbytes, tp in want.staged:
-            area = staging[offset : offset + nbytes]
-            for staged in tp.staged:
-                layer = self.spec.layer(staged.layer_name)
-                apply_relayout(staged, area, layer, self.local.layouts[layer.family],
-                               self.kv_caches[staged.layer_name])
-        self.backend.synchronize()
 
     def _complete(self, want: Want, state: State, reason: str = "") -> None:
         for offset, _, _ in want.staged:
@@ -426,28 +363,28 @@ class DecodeSide:
         failed = {} if state == "done" else {g: tuple(int(b) for b in ids) for g, ids in want.block_ids.items()}
         if state != "done":
             logger.warning("decode rank %d: request %s %s (%s)", self.config.rank, want.request_id, state, reason)
-        self._completions.append(Completion(want.request_id, state, failed, reason))
+        self._out.add(Completion(want.request_id, state, failed, reason))
 
     # -- loop: time ---------------------------------------------------------------------------------------
     def _tick(self) -> float:
-        self._outbox.pump()
         now = time.monotonic()
+        self._prober.expire(now)
         if now >= self._next_check:
             self._next_check = now + 0.02
             self._check_deadlines(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.config.heartbeat_s
             self._heartbeat()
-        return 0.0005 if self._outbox.busy else 0.02
+        return 0.02
 
     def _check_deadlines(self, now: float) -> None:
         for conn in list(self._conns.values()):
-            if conn.state == "handshaking" and now - conn.started > self.config.handshake_timeout_s:
+            if conn.state in ("handshaking", "probing") and now - conn.started > self.config.handshake_timeout_s:
                 self._conn_failed(conn, f"no answer to the handshake within {self.config.handshake_timeout_s} s; "
                                         f"is the prefill instance running and reachable?")
         for want in list(self._wants.values()):
             if want.waiting_staging and want.phase == "connect" and want.state is None:
-                self._start(want)
+                self._starter.start(want)
             if want.phase == "connect" and (now > want.deadline or want.state is not None):
                 self._decide(want, "timed_out", "the transfer did not start before the deadline (waiting for the "
                                                 "handshake or for staging room)")
@@ -460,20 +397,15 @@ class DecodeSide:
                 self._finish(want)
 
     def _heartbeat(self) -> None:
-        by_conn: dict[tuple[str, int], list[str]] = {}
+        by_conn: dict[tuple[str, int], list[tuple[str, str]]] = {}
         for want in self._wants.values():
             if want.phase in ("connect", "move"):
                 for conn in want.conns:
                     if conn.state == "ready":
-                        by_conn.setdefault((conn.host, conn.port), []).append(want.params.remote_request_id)
-        for key, rids in by_conn.items():
-            channel.send(self._conns[key].socket, Heartbeat(self.config.engine_id, self.config.rank, rids),
-                         self.counters)
-
-
-def _stand_in_ids(conn: Conn, num_tokens: int) -> dict[int, Ids]:
-    """Source block ids for sizing and planning a push here: the prefill's ids are not known on this side,
-    and where staged layers land depends only on how many source blocks the tokens take."""
-    assert conn.record is not None
-    spec = conn.record.manifest.spec
-    return {g.group_id: np.zeros(-(-num_tokens // g.tokens_per_block), dtype=np.int64) for g in spec.groups}
+                        by_conn.setdefault((conn.host, conn.port), []).append(
+                            (want.params.remote_request_id, want.params.kvplane_token))
+        for key, requests in by_conn.items():
+            for start in range(0, len(requests), MAX_HEARTBEAT_IDS):
+                channel.send(self._conns[key].socket, Heartbeat(self.config.engine_id, self.config.rank,
+                                                                requests[start : start + MAX_HEARTBEAT_IDS]),
+                             self.counters)

@@ -74,13 +74,33 @@ class LocalKV:
             agent_name=f"{config.engine_id}-{role}-{config.rank}-{self.boot_id[:8]}",
         )
         self.transport.register(backend.registration_spans(to_register))  # merged with the cache's spans
+        self._handshake = self._make_handshake()  # once: NIXL's metadata call waits for the agent lock
 
-    def block_ids(self, request_id: str, block_ids: PerGroup, num_tokens: int) -> dict[int, Ids]:
-        """The engine's block ids per group, checked to hold ``num_tokens`` tokens in every group."""
+    def block_ids(self, request_id: str, block_ids: PerGroup, num_tokens: int, *, distinct: bool = False
+                  ) -> dict[int, Ids]:
+        """The engine's block ids per group, checked to cover every KV-cache group, to lie in the cache, and to
+        hold ``num_tokens`` tokens in every group; ``distinct``: no id twice in a group (destinations)."""
         ids = per_group("block_ids", block_ids, self.group_ids, DisaggError)
+        missing = sorted(set(self.group_ids) - set(ids))
+        if missing:
+            raise DisaggError(
+                f"request {request_id!r}: block_ids name groups {sorted(ids)} but the model has KV-cache groups "
+                f"{self.group_ids} (missing {missing}); pass {{group_id: block ids}} for every group"
+            )
         if num_tokens < 1:
             raise DisaggError(f"request {request_id!r}: num_tokens={num_tokens} must be >= 1")
         for g, group_ids in ids.items():
+            pool = self.pool_size(g)
+            if len(group_ids) and (int(group_ids.min()) < 0 or int(group_ids.max()) >= pool):
+                raise DisaggError(
+                    f"request {request_id!r} group {g}: block ids must lie in 0..{pool - 1} (the cache's blocks), "
+                    f"got {int(group_ids.min())}..{int(group_ids.max())}"
+                )
+            if distinct and len(set(group_ids.tolist())) != len(group_ids):
+                raise DisaggError(
+                    f"request {request_id!r} group {g}: a destination block id appears twice; each block "
+                    f"receives one block of KV, pass distinct ids"
+                )
             per_block = self.spec.group(g).tokens_per_block
             need = -(-num_tokens // per_block)
             if len(group_ids) < need:
@@ -90,11 +110,20 @@ class LocalKV:
                 )
         return ids
 
+    def pool_size(self, group_id: int) -> int:
+        """Blocks of group ``group_id`` in this rank's cache (the fewest of its layers)."""
+        sizes = [r.num_blocks for layer in self.spec.layers if layer.group_id == group_id
+                 for r in self.manifest.regions_of(layer.name)]
+        return min(sizes) if sizes else 0
+
     @property
     def staging_addr(self) -> int:
         return int(self.staging.data_ptr()) if self.staging is not None else 0
 
     def handshake(self) -> Handshake:
+        return self._handshake
+
+    def _make_handshake(self) -> Handshake:
         return Handshake(
             engine_id=self.config.engine_id,
             boot_id=self.boot_id,

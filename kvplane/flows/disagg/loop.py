@@ -1,10 +1,12 @@
 """The I/O loop of one side: a daemon thread that owns its ZMQ sockets, runs the engine's commands, and ticks.
 
 All of a side's state is touched by this thread alone, so the flow needs no locks: the engine's thread hands
-work over with ``submit`` (returns at once) or ``call`` (waits, bounded), and a wake-up socket ends the poll
-early. Between messages the loop calls ``tick`` (poll transfers, expire leases, send heartbeats), which says
-how soon it wants to run again. A handler that raises is logged and the loop carries on: one bad message or
-bug in one request never takes the listener down.
+work over with ``submit`` (returns at once), and a wake-up socket ends the poll early. The engine thread never
+waits on the loop: after every pass the loop calls ``publish``, which hands what the engine may read
+(completions, counts) to it through thread-safe structures. Between messages the loop calls ``tick`` (expire
+leases, send heartbeats), which says how soon it wants to run again. Work that may block (transfers, probing a
+peer's transport) runs on other threads and comes back through ``submit``. A handler that raises is logged and
+the loop carries on: one bad message or bug in one request never takes the listener down.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ _ids = itertools.count()
 
 
 class IOLoop:
-    def __init__(self, name: str, tick: Callable[[], float]) -> None:
+    def __init__(self, name: str, tick: Callable[[], float], publish: Callable[[], None] = lambda: None) -> None:
         self.name = name
         self.context = zmq.Context()
         self._tick = tick
+        self._publish = publish
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         address = f"inproc://kvplane-wake-{next(_ids)}"
         self._wake_rx = self.context.socket(zmq.PAIR)
@@ -67,12 +70,6 @@ class IOLoop:
             except zmq.Again:  # the loop is already due to wake: a pending wake-up is enough
                 pass
         return future
-
-    def call(self, fn: Callable[[], T], timeout_s: float = 30.0) -> T:
-        """Run ``fn`` on the loop thread and return its result (runs inline when already on it)."""
-        if self.on_loop:
-            return fn()
-        return self.submit(fn).result(timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self._stopping:
@@ -124,6 +121,11 @@ class IOLoop:
                         handler(socket)
                     except Exception:
                         logger.exception("%s: a message handler failed; the message is dropped", self.name)
+            self._run_commands()
+            try:
+                self._publish()
+            except Exception:
+                logger.exception("%s: publishing state failed; carrying on", self.name)
         for socket in list(self._handlers):
             self.unwatch(socket)
         self._wake_rx.close(linger=0)

@@ -10,29 +10,52 @@ Every message is a tagged struct; ``decode`` rejects anything oversized, malform
   prefill could not act on, e.g. one addressed to a previous boot of it).
 
 ``boot_id`` names one process lifetime: a peer that restarts has a new one, so the other side handshakes again
-instead of using stale descriptors.
+instead of using stale descriptors. Every message about a request carries its ``token`` (``tokens.py``), which
+only the two sides of that request know.
+
+Limits before work: every field has a bound checked while decoding (string lengths, list lengths, block ids
+below 2**62), so a message that would make a side allocate or loop without bound is refused as malformed
+before any handler sees it. A side checks block ids against the peer's pool size on top.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Annotated, cast
 
 import msgspec
+from msgspec import Meta
 
 from kvplane.flows.disagg.errors import ProtocolError
 
-BlockIds = dict[int, list[int]]  # KV-cache group -> block ids
+MAX_NAME = 512  # characters of an engine id, request id, boot id or reason
+MAX_TOKEN = 64
+MAX_GROUPS = 64  # KV-cache groups of one model
+MAX_BLOCKS = 1 << 20  # block ids per group in one message (a side checks its pool size on top)
+MAX_BLOCK_ID = 1 << 62
+MAX_RANK = 1 << 16
+MAX_HEARTBEAT_IDS = 4096  # requests one heartbeat renews; a decode with more sends several
+
+Name = Annotated[str, Meta(max_length=MAX_NAME)]
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
+Token = Annotated[str, Meta(max_length=MAX_TOKEN)]
+Rank = Annotated[int, Meta(ge=0, lt=MAX_RANK)]
+TpSize = Annotated[int, Meta(ge=1, le=MAX_RANK)]
+BlockId = Annotated[int, Meta(ge=0, lt=MAX_BLOCK_ID)]
+GroupId = Annotated[int, Meta(ge=0, lt=1 << 16)]
+BlockIds = Annotated[dict[GroupId, Annotated[list[BlockId], Meta(max_length=MAX_BLOCKS)]],
+                     Meta(max_length=MAX_GROUPS)]  # KV-cache group -> block ids
+Count = Annotated[int, Meta(ge=0, lt=1 << 62)]
 
 
 class Handshake(msgspec.Struct, tag="handshake", frozen=True):
-    engine_id: str
-    boot_id: str
-    role: str  # "prefill" or "decode"
-    rank: int
-    tp_size: int
+    engine_id: Name
+    boot_id: Name
+    role: Name  # "prefill" or "decode"
+    rank: Rank
+    tp_size: TpSize
     manifest: bytes  # Manifest.encode()
     peer: bytes  # the transport's PeerInfo, msgpack
-    fingerprint: str  # Manifest.fingerprint: the compatibility hash both sides compare
+    fingerprint: Name  # Manifest.fingerprint: the compatibility hash both sides compare
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):
@@ -43,36 +66,39 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
-    engine_id: str
-    rank: int
-    request_ids: list[str]
+    engine_id: Name
+    rank: Rank
+    requests: Annotated[list[tuple[RequestId, Token]], Meta(max_length=MAX_HEARTBEAT_IDS)]  # (request id, token)
 
 
 class ReadDone(msgspec.Struct, tag="read_done", frozen=True):
-    request_id: str
-    engine_id: str
-    rank: int
-    tp_size: int
+    request_id: RequestId
+    engine_id: Name
+    rank: Rank
+    tp_size: TpSize
     ok: bool
-    expect_boot: str  # the prefill boot the decode read from
+    expect_boot: Name  # the prefill boot the decode read from
+    token: Token = ""
 
 
 class PushRegister(msgspec.Struct, tag="push_register", frozen=True):
-    request_id: str
-    engine_id: str
-    rank: int
-    tp_size: int
+    request_id: RequestId
+    engine_id: Name
+    rank: Rank
+    tp_size: TpSize
     block_ids: BlockIds
-    num_tokens: int
-    staging_addr: int  # where staged layers of this push land on the decode rank (0: none needed)
-    staging_bytes: int
-    expect_boot: str
+    num_tokens: Count
+    staging_addr: Count  # where staged layers of this push land on the decode rank (0: none needed)
+    staging_bytes: Count
+    expect_boot: Name
+    token: Token = ""
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):
-    request_id: str
-    engine_id: str
-    rank: int
+    request_id: RequestId
+    engine_id: Name
+    rank: Rank
+    token: Token = ""
 
 
 class PushResult(msgspec.Struct, tag="push_result", frozen=True):

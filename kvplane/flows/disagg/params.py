@@ -3,8 +3,12 @@
 The keys follow vLLM's NixlConnector conventions (``do_remote_prefill``, ``remote_engine_id``,
 ``remote_block_ids``, ``remote_host``, ``remote_port``, ``tp_size``, ``remote_block_size``...), so vLLM's example
 proxy forwards them unchanged. kvplane adds ``remote_num_tokens`` (tokens whose KV the prefill holds),
-``remote_boot_id`` (which lifetime of the prefill holds them) and ``kvplane_mode``. ``remote_block_ids`` is one
+``remote_boot_id`` (which lifetime of the prefill holds them), ``kvplane_mode`` and ``kvplane_token`` (the
+request's token, ``tokens.py``: messages about the request count only with it). ``remote_block_ids`` is one
 list per KV-cache group, in the spec's group order, so the dict survives JSON.
+
+The constructor checks every field, as ``from_dict`` does; ``for_push`` builds what a proxy hands a decode
+instance (and, with the same token, the prefill instance) before the prefill has run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import msgspec
 
 from kvplane.flows.disagg.config import MODES, Mode
 from kvplane.flows.disagg.errors import TransferParamsError
+from kvplane.flows.disagg.tokens import is_token, new_token
 
 
 class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,8 +35,42 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_num_tokens: int = 0
     remote_boot_id: str = ""
     kvplane_mode: Mode = "pull"
+    kvplane_token: str = ""
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kvplane_mode not in MODES:
+            raise TransferParamsError(f"kv_transfer_params.kvplane_mode={self.kvplane_mode!r}; use one of {MODES}")
+        if self.tp_size < 1 or not 0 < self.remote_port < 65536 or self.remote_num_tokens < 0:
+            raise TransferParamsError(
+                f"kv_transfer_params: tp_size={self.tp_size}, remote_port={self.remote_port}, "
+                f"remote_num_tokens={self.remote_num_tokens} are out of range"
+            )
+        if not self.remote_engine_id or not self.remote_request_id:
+            raise TransferParamsError(
+                f"kv_transfer_params: remote_engine_id={self.remote_engine_id!r} and remote_request_id="
+                f"{self.remote_request_id!r} must be non-empty; forward what the prefill instance returned"
+            )
+        if self.kvplane_token and not is_token(self.kvplane_token):
+            raise TransferParamsError(
+                f"kv_transfer_params.kvplane_token={self.kvplane_token!r} is not 32 lowercase hex digits; draw it "
+                f"with kvplane.flows.disagg.tokens.new_token() (or TransferParams.for_push)"
+            )
+        for g, ids in enumerate(self.remote_block_ids):
+            if any(b < 0 for b in ids):
+                raise TransferParamsError(f"kv_transfer_params.remote_block_ids[{g}] holds a negative block id")
+
+    @classmethod
+    def for_push(cls, engine_id: str, request_id: str, host: str, port: int, *, tp_size: int = 1,
+                 mode: Mode = "push", token: str | None = None) -> TransferParams:
+        """What a proxy gives a decode instance before the prefill instance ran the request (push modes).
+
+        Give the prefill the same ``kvplane_token``: ``PrefillSide.request_finished(..., token=p.kvplane_token)``
+        (vLLM: in the prefill request's ``kv_transfer_params``); a fresh one is drawn when ``token`` is None.
+        """
+        return cls(remote_engine_id=engine_id, remote_request_id=request_id, remote_host=host, remote_port=port,
+                   tp_size=tp_size, kvplane_mode=mode, kvplane_token=new_token() if token is None else token)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)  # type: ignore[no-any-return]
@@ -44,19 +83,11 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
         known = set(cls.__struct_fields__)
         data = {k: v for k, v in raw.items() if k in known}  # proxies may add their own keys
         try:
-            params = msgspec.convert(data, cls)
+            return msgspec.convert(data, cls)
         except msgspec.ValidationError as e:
             raise TransferParamsError(
                 f"kv_transfer_params: {e}; forward the dict the prefill instance returned, unchanged"
             ) from None
-        if params.kvplane_mode not in MODES:
-            raise TransferParamsError(f"kv_transfer_params.kvplane_mode={params.kvplane_mode!r}; use one of {MODES}")
-        if params.tp_size < 1 or not 0 < params.remote_port < 65536 or params.remote_num_tokens < 0:
-            raise TransferParamsError(
-                f"kv_transfer_params: tp_size={params.tp_size}, remote_port={params.remote_port}, "
-                f"remote_num_tokens={params.remote_num_tokens} are out of range"
-            )
-        return params
 
     def block_ids(self, group_ids: Sequence[int]) -> dict[int, list[int]]:
         """``{group: ids}`` for this model's groups; ``TransferParamsError`` when the counts differ."""

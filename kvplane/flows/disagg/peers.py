@@ -1,13 +1,20 @@
-"""Checking a peer's handshake: role, compatibility hash and manifest, then connecting the transport to it.
+"""Checking a peer's handshake (role, compatibility hash, manifest), and connecting the transport to it off
+the I/O loop.
 
-Both sides call ``check_peer`` on the other's ``Handshake``, before any byte moves. A model that differs
+Both sides call ``check_hello`` on the other's ``Handshake``, before any byte moves. A model that differs
 (layers, heads, dtype, KV-cache groups, layout family, kvplane version) raises ``ManifestMismatch`` naming the
 field and both values; the prefill side answers it with a ``Reject`` and the decode side fails the requests
-waiting on that peer with the same words.
+waiting on that peer with the same words. Connecting the transport (Mooncake's ``send_probe``, which a silent
+listener holds for a minute; NIXL's ``add_remote_agent``, which waits for the agent lock a transfer holds) runs
+on a ``Prober`` thread with a short deadline, and the result comes back to the loop.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -17,7 +24,9 @@ from kvplane.flows.disagg.errors import HandshakeError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.messages import Handshake
 from kvplane.kv.manifest import Manifest, check_compatible
-from kvplane.transports.base import PeerInfo
+from kvplane.transports.base import PeerInfo, Transport
+
+MAX_PROBE_THREADS = 16  # connects running at once, hung ones included; more handshakes are refused meanwhile
 
 
 @dataclass
@@ -31,9 +40,12 @@ class PeerRecord:
     manifest: Manifest
     handle: str
     identity: bytes = b""  # the peer's ZMQ routing id (prefill side)
+    transport_name: str = ""  # PeerInfo.name: the engine-level identity the transport knows it by
+    peer_bytes: bytes = b""  # Handshake.peer as received, to recognise a repeated handshake
 
 
-def check_peer(local: LocalKV, hello: Handshake, *, expect_role: str, identity: bytes = b"") -> PeerRecord:
+def check_hello(local: LocalKV, hello: Handshake, *, expect_role: str) -> tuple[Manifest, PeerInfo]:
+    """The peer's manifest and transport descriptor, once every check passed; raises naming the problem."""
     if hello.role != expect_role:
         raise HandshakeError(
             f"handshake from {hello.engine_id!r} rank {hello.rank} says role={hello.role!r}, expected "
@@ -57,5 +69,64 @@ def check_peer(local: LocalKV, hello: Handshake, *, expect_role: str, identity: 
         peer_info = msgspec.msgpack.decode(hello.peer, type=PeerInfo)
     except (msgspec.MsgspecError, ValueError) as e:
         raise HandshakeError(f"handshake from {hello.engine_id!r}: transport descriptor does not decode: {e}") from None
-    handle = local.transport.connect(peer_info)
-    return PeerRecord(hello.engine_id, hello.rank, hello.tp_size, hello.boot_id, manifest, handle, identity)
+    if not peer_info.spans:
+        raise HandshakeError(
+            f"handshake from {hello.engine_id!r}: its transport descriptor names no registered memory (spans), so "
+            f"no plan could be checked against it; the peer must register its KV cache"
+        )
+    return manifest, peer_info
+
+
+def record(hello: Handshake, manifest: Manifest, info: PeerInfo, handle: str, identity: bytes = b"") -> PeerRecord:
+    return PeerRecord(hello.engine_id, hello.rank, hello.tp_size, hello.boot_id, manifest, handle, identity,
+                      info.name, hello.peer)
+
+
+Done = Callable[[str, str], None]  # (handle, error): exactly one of them is non-empty
+
+
+class Prober:
+    """Connects the transport to peers on short-lived threads; ``done`` runs on the loop (via ``deliver``),
+    exactly once per ``connect``: with the handle, or with the error, or with a timeout from ``expire``."""
+
+    def __init__(self, transport: Transport, deliver: Callable[[Callable[[], None]], object], timeout_s: float
+                 ) -> None:
+        self._transport, self._deliver, self.timeout_s = transport, deliver, timeout_s
+        self._pending: dict[int, tuple[float, Done]] = {}  # loop thread only
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._alive = 0
+
+    def connect(self, info: PeerInfo, done: Done) -> bool:
+        """Start connecting to ``info``; False (nothing started) while too many connects are running."""
+        with self._lock:
+            if self._alive >= MAX_PROBE_THREADS:
+                return False
+            self._alive += 1
+        probe = next(self._ids)
+        self._pending[probe] = (time.monotonic() + self.timeout_s, done)
+        threading.Thread(target=self._run, args=(probe, info), name="kvplane-probe", daemon=True).start()
+        return True
+
+    def expire(self, now: float) -> None:
+        """On the loop: fail connects past their deadline (their threads end when the engine returns)."""
+        for probe, (deadline, done) in list(self._pending.items()):
+            if now > deadline:
+                del self._pending[probe]
+                done("", f"the transport did not reach the peer within probe_timeout_s={self.timeout_s}")
+
+    def _run(self, probe: int, info: PeerInfo) -> None:
+        handle, error = "", ""
+        try:
+            handle = self._transport.connect(info)
+        except Exception as e:  # PeerUnreachable, TransportError, or an engine binding's own error
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            with self._lock:
+                self._alive -= 1
+        self._deliver(lambda: self._finish(probe, handle, error or ("" if handle else "no handle")))
+
+    def _finish(self, probe: int, handle: str, error: str) -> None:
+        entry = self._pending.pop(probe, None)
+        if entry is not None:
+            entry[1]("" if error else handle, error)

@@ -3,18 +3,21 @@ ranks to pull, or pushes them into blocks decode ranks registered, whole or laye
 
 Who calls what (the engine's thread; the vLLM connector wraps these):
 
-- ``request_finished(request_id, block_ids, num_tokens)`` once the request's KV is computed: returns the
-  ``TransferParams`` a proxy forwards to decode (``.to_dict()``). The blocks are held from then on: under a
-  lease that decode heartbeats renew (pull), or until they are pushed. The engine must not free them before
-  ``get_finished`` reports the request.
-- ``layerwise`` mode: ``start_request(request_id, block_ids, num_tokens)`` before the forward that completes
-  the prompt, and ``save_layer(layer_name)`` after each attention layer has written its KV: that layer is
-  written to every decode rank registered for the request while later layers compute.
+- ``request_finished(request_id, block_ids, num_tokens, token=None)`` once the request's KV is computed:
+  returns the ``TransferParams`` a proxy forwards to decode (``.to_dict()``), carrying the request's token (drawn
+  here for pull when none is given; push modes take the token the proxy gave both instances). The blocks are
+  held from then on: under a lease that decode heartbeats renew (pull), or until they are pushed. The engine
+  must not free them before ``get_finished`` reports the request.
+- ``layerwise`` mode: ``start_request(request_id, block_ids, num_tokens, token=...)`` before the forward that
+  completes the prompt, and ``save_layer(layer_name)`` after each attention layer has written its KV: that
+  layer is written to every decode rank registered for the request while later layers compute.
 - ``get_finished()`` each step: a ``Completion`` per request whose blocks kvplane released (``done``: every
-  decode rank read or received them; ``failed``; ``timed_out``: the lease expired).
+  decode rank read or received them; ``failed``; ``timed_out``: the lease expired). It never waits on the loop.
 - ``abort(request_id)``: a request aborted mid-prefill stops pushing; it is reported once its transfers drain.
 
-Everything else (handshakes, heartbeats, registrations, transfers) runs on this side's I/O loop thread.
+Handshakes (``admission.py``), heartbeats and registrations run on this side's I/O loop thread; transfers on
+its transfer thread (``mover.py``). A message about a request counts only from a decode rank that handshook
+on that connection, with the request's token, from the decode instance that first used it.
 """
 
 from __future__ import annotations
@@ -24,16 +27,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 
-import numpy as np
 import zmq
 
 from kvplane.backend.base import Backend, Event
 from kvplane.blocks.groups import Ids, PerGroup
-from kvplane.descriptors import CopyPlan
-from kvplane.errors import KvplaneError, ManifestMismatch
-from kvplane.flows.disagg import channel
+from kvplane.flows.disagg import channel, ownership
+from kvplane.flows.disagg.admission import Admission
+from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.flows.disagg.limits import MAX_EARLY, RateLimit
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
@@ -43,23 +46,23 @@ from kvplane.flows.disagg.messages import (
     Message,
     Problem,
     PushRegister,
-    PushResult,
     ReadDone,
-    Reject,
 )
-from kvplane.flows.disagg.outbox import Outbox
+from kvplane.flows.disagg.mover import Mover
 from kvplane.flows.disagg.params import TransferParams
-from kvplane.flows.disagg.peers import PeerRecord, check_peer
+from kvplane.flows.disagg.peers import PeerRecord, Prober
+from kvplane.flows.disagg.prefill_settle import Settler
+from kvplane.flows.disagg.published import Published
+from kvplane.flows.disagg.pusher import Pusher, check_destination
 from kvplane.flows.disagg.records import Held, Target
-from kvplane.flows.disagg.results import Completion, State
-from kvplane.flows.disagg.routes import layers_by_source, route_plan
+from kvplane.flows.disagg.results import Completion
+from kvplane.flows.disagg.routes import layers_by_source
+from kvplane.flows.disagg.tokens import request_token, same_token
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
-from kvplane.plan.planner import TransferPlan
 
 logger = logging.getLogger("kvplane.disagg")
-REMEMBERED = 10_000  # released request ids kept to answer late messages about them
 
 
 class PrefillSide:
@@ -80,15 +83,24 @@ class PrefillSide:
         self.backend, self.spec, self.config = backend, spec, config
         self.local = LocalKV(backend, spec, kv_caches, config, "prefill", layouts)
         self.counters = channel.Counters()
-        self._peers: dict[tuple[str, int], PeerRecord] = {}
+        self._limit = RateLimit()
         self._held: dict[str, Held] = {}
-        self._released: OrderedDict[str, str] = OrderedDict()
-        self._completions: list[Completion] = []
+        self._early = 0  # entries of _held the engine has not handed over yet
+        self._released: OrderedDict[str, tuple[str, str]] = OrderedDict()  # request id -> (outcome, token)
         self._layer_events: list[tuple[str, Event]] = []
         self._next_lease_check = 0.0
-        self._loop = IOLoop(f"kvplane-prefill-{config.rank}", self._tick)
-        self._socket, self.port = channel.router(self._loop.context, config.host, config.rank_port())
-        self._outbox = Outbox(self.local.transport, "WRITE", config.max_inflight)
+        self._out = Published()
+        self._engine_tokens: dict[str, str] = {}  # engine thread: handed over, not yet reported
+        self._loop = IOLoop(f"kvplane-prefill-{config.rank}", self._tick, self._publish)
+        self._guard = Guard(self._loop.context, curve_keys(config, "prefill"))
+        self._socket, self.port = channel.router(self._loop.context, config.host, config.rank_port(),
+                                                 config.max_message_bytes, self._guard.server)
+        self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
+                            config.max_inflight, self._loop.submit)
+        self._pusher = Pusher(self.local, self._mover, self._settle)
+        self._settler = Settler(self)
+        prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
+        self._admission = Admission(self.local, prober, self._reply, self._forget_peer, self._limit)
         self._loop.watch(self._socket, self._on_readable)
         self._loop.start()
 
@@ -98,10 +110,12 @@ class PrefillSide:
         return self.port - self.config.rank
 
     # -- engine-facing ------------------------------------------------------------------------------------
-    def request_finished(self, request_id: str, block_ids: PerGroup, num_tokens: int) -> TransferParams:
+    def request_finished(self, request_id: str, block_ids: PerGroup, num_tokens: int, *,
+                         token: str | None = None) -> TransferParams:
         """Hold the request's blocks for decode and return the parameters to forward to it."""
         ids = self.local.block_ids(request_id, block_ids, num_tokens)
-        self._loop.submit(lambda: self._on_finished(request_id, ids, num_tokens))
+        token = self._token(request_id, token)
+        self._loop.submit(lambda: self._on_handed(request_id, ids, num_tokens, token, finished=True))
         group0 = self.spec.group(self.local.group_ids[0])
         return TransferParams(
             remote_engine_id=self.config.engine_id,
@@ -114,12 +128,21 @@ class PrefillSide:
             remote_num_tokens=num_tokens,
             remote_boot_id=self.local.boot_id,
             kvplane_mode=self.config.mode,
+            kvplane_token=token,
         )
 
-    def start_request(self, request_id: str, block_ids: PerGroup, num_tokens: int) -> None:
+    def start_request(self, request_id: str, block_ids: PerGroup, num_tokens: int, *,
+                      token: str | None = None) -> None:
         """Layer-wise push: the coming forward completes this request's prompt in these blocks."""
         ids = self.local.block_ids(request_id, block_ids, num_tokens)
-        self._loop.submit(lambda: self._on_start(request_id, ids, num_tokens))
+        token = self._token(request_id, token)
+        self._loop.submit(lambda: self._on_handed(request_id, ids, num_tokens, token, finished=False))
+
+    def _token(self, request_id: str, token: str | None) -> str:
+        token = request_token(request_id, token, self._engine_tokens.get(request_id), self.config.mode,
+                              self.config.tp_size)
+        self._engine_tokens[request_id] = token
+        return token
 
     def save_layer(self, layer_name: str) -> None:
         """After ``layer_name`` wrote its KV: push it to registered decode ranks once the compute reaches here."""
@@ -132,19 +155,31 @@ class PrefillSide:
         self._loop.submit(lambda: self._on_abort(request_id))
 
     def get_finished(self, timeout_s: float = 10.0) -> list[Completion]:
-        """Requests whose blocks kvplane released since the last call (free them now)."""
-        return self._loop.call(self._drain_completions, timeout_s)
+        """Requests whose blocks kvplane released since the last call (free them now). Never waits on the I/O
+        loop; ``timeout_s`` is accepted for older callers and unused."""
+        out = self._out.drain()
+        for c in out:
+            self._engine_tokens.pop(c.request_id, None)
+        return out
 
     def held_requests(self, timeout_s: float = 10.0) -> int:
-        """Requests whose blocks are held now (tests and stats)."""
-        return self._loop.call(lambda: sum(1 for h in self._held.values() if h.known), timeout_s)
+        """Requests handed over (``request_finished``/``start_request``) and not yet reported by
+        ``get_finished``: the engine must keep their blocks."""
+        return len(self._engine_tokens)
+
+    def push_registered(self, request_id: str) -> bool:
+        """Whether a decode rank's push registration for ``request_id`` reached this rank (and the request is
+        not released yet): the signal that a push can start as soon as the request is finished."""
+        return request_id in self._out.registered
 
     def transfers_in_flight(self, timeout_s: float = 10.0) -> int:
-        """Plans of this side queued for or moving through the transport now (tests and stats)."""
-        return self._loop.call(lambda: self._outbox.moving, timeout_s)
+        """Plans of this side queued for or moving through the transport, as the loop last published."""
+        return self._out.in_flight
 
     def close(self) -> None:
+        self._guard.stop()
         self._loop.stop()
+        self._mover.stop()
         self.local.close()
 
     def __enter__(self) -> PrefillSide:
@@ -154,33 +189,38 @@ class PrefillSide:
         self.close()
 
     # -- loop: engine events ------------------------------------------------------------------------------
-    def _drain_completions(self) -> list[Completion]:
-        out, self._completions = self._completions, []
-        return out
+    def _publish(self) -> None:
+        self._out.publish(self._mover.moving)
 
     def _entry(self, request_id: str) -> Held:
         held = self._held.get(request_id)
         if held is None:
             held = self._held[request_id] = Held(request_id)
+            self._early += 1
         return held
 
-    def _on_start(self, request_id: str, ids: dict[int, Ids], num_tokens: int) -> None:
+    def _on_handed(self, request_id: str, ids: dict[int, Ids], num_tokens: int, token: str, finished: bool
+                   ) -> None:
         held = self._entry(request_id)
-        held.block_ids, held.num_tokens, held.known = ids, num_tokens, True
-        for target in held.targets.values():
-            self._build_plans(held, target)
-
-    def _on_finished(self, request_id: str, ids: dict[int, Ids], num_tokens: int) -> None:
-        held = self._entry(request_id)
-        held.block_ids, held.num_tokens, held.known, held.finished = ids, num_tokens, True, True
-        held.deadline = time.monotonic() + self.config.lease_s
-        for target in held.targets.values():
-            self._push_rest(held, target)
+        if not held.known:
+            self._early -= 1
+        held.block_ids, held.num_tokens = ids, num_tokens
+        for refused in ownership.hand_over(held, token):  # word that came before counts only with the token
+            self._problem(refused.peer.identity, held.request_id, "the push registration's token does not match "
+                          "the request's; register with the kv_transfer_params of this request")
+        if finished:
+            held.finished = True
+            held.deadline = time.monotonic() + self.config.lease_s
+            for target in held.targets.values():
+                self._pusher.push_rest(held, target)
+        else:
+            for target in held.targets.values():
+                self._pusher.build_plans(held, target)
         self._settle(held)
 
     def _on_abort(self, request_id: str) -> None:
         held = self._held.get(request_id)
-        if held is None or held.finished:
+        if held is None or held.finished or not held.known:
             return  # finished KV stays valid for decode; the lease or the readers end it
         held.aborted = True
         self._settle(held)
@@ -191,222 +231,134 @@ class PrefillSide:
                 held.saved.add(layer)
                 for target in held.targets.values():
                     if layer in target.layers:
-                        self._push(held, target, [layer])
+                        self._pusher.push(held, target, [layer])
 
     # -- loop: messages -----------------------------------------------------------------------------------
     def _on_readable(self, sock: zmq.Socket[bytes]) -> None:
         for identity, message in channel.receive(sock, self.config.max_message_bytes, self.counters, routed=True):
-            self._dispatch(identity, message)
+            try:  # one message that trips a bug never drops the ones behind it
+                self._dispatch(identity, message)
+            except Exception:
+                self.counters.rejected += 1
+                logger.exception("prefill rank %d: handling %s failed; dropped", self.config.rank,
+                                 type(message).__name__)
 
     def _dispatch(self, identity: bytes, message: Message) -> None:
         if isinstance(message, Handshake):
-            self._on_handshake(identity, message)
+            self._admission.on_handshake(identity, message)
+            return
+        if not isinstance(message, Heartbeat | ReadDone | PushRegister | Cancel):
+            self._drop(f"{type(message).__name__} is not a message a prefill rank takes")
+            return
+        peer = self._admission.sender(identity, message.engine_id, message.rank)
+        if peer is None:
+            self._drop(f"{type(message).__name__} claims decode {message.engine_id!r} rank {message.rank}, which "
+                       f"did not handshake on that connection")
         elif isinstance(message, Heartbeat):
-            now = time.monotonic()
-            for rid in message.request_ids:
-                held = self._held.get(rid)
-                if held is not None and held.finished:
-                    held.deadline = now + self.config.lease_s
-                elif held is None and rid in self._released:
-                    self._reply(identity, Problem(rid, self.config.rank, self._released[rid]))
+            self._on_heartbeat(identity, message)
         elif isinstance(message, ReadDone):
             self._on_read_done(identity, message)
         elif isinstance(message, PushRegister):
-            self._on_register(identity, message)
-        elif isinstance(message, Cancel):
-            self._on_cancel(message)
+            self._on_register(identity, peer, message)
         else:
-            self.counters.rejected += 1
-            logger.warning("prefill rank %d: %s is not a message a prefill rank takes; dropped",
-                           self.config.rank, type(message).__name__)
+            self._on_cancel(message)
 
-    def _on_handshake(self, identity: bytes, hello: Handshake) -> None:
-        try:
-            record = check_peer(self.local, hello, expect_role="decode", identity=identity)
-        except ManifestMismatch as e:
-            self._reply(identity, Reject(e.field, repr(e.local), repr(e.remote), str(e)))
-            return
-        except KvplaneError as e:  # a manifest that does not decode, a transport that cannot reach it
-            self._reply(identity, Reject("handshake", "", "", str(e)))
-            return
-        key = (hello.engine_id, hello.rank)
-        old = self._peers.get(key)
-        if old is not None and old.boot_id != record.boot_id:
-            self._forget_peer(old, f"decode {hello.engine_id} rank {hello.rank} restarted")
-        self._peers[key] = record
-        self._reply(identity, self.local.handshake())
+    def _on_heartbeat(self, identity: bytes, beat: Heartbeat) -> None:
+        now, seen = time.monotonic(), set()
+        for rid, token in beat.requests:
+            if rid in seen:
+                continue  # one answer per distinct request, however often it is named
+            seen.add(rid)
+            held = self._held.get(rid)
+            if held is not None:
+                if held.finished and ownership.owned(held, beat.engine_id, token):
+                    held.deadline = now + self.config.lease_s
+            elif rid in self._released and same_token(self._released[rid][1], token):
+                self._problem(identity, rid, self._released[rid][0])
 
     def _on_read_done(self, identity: bytes, done: ReadDone) -> None:
+        if done.expect_boot != self.local.boot_id:
+            self._problem(identity, done.request_id, "stale: this prefill rank restarted")
+            return
         held = self._held.get(done.request_id)
         if held is None:
-            if done.request_id in self._released:
+            if done.request_id in self._released or not self._room_for_early():
                 return
             # vLLM gives the proxy kv_transfer_params a step before its worker calls request_finished here, so a
-            # fast decode may be done reading first: keep its word until the request comes (or a lease passes)
+            # fast decode may be done reading first: keep its word (checked then) until the request comes
             held = self._entry(done.request_id)
             held.deadline = time.monotonic() + self.config.lease_s
-        if done.expect_boot != self.local.boot_id:
-            self._reply(identity, Problem(done.request_id, self.config.rank, "stale: this prefill rank restarted"))
+        if not ownership.read_done(held, (done.engine_id, done.rank), done.ok, done.tp_size, done.token):
+            self._problem(identity, done.request_id, "ReadDone does not carry this request's token (or comes from "
+                          "another decode instance); ignored")
             return
-        held.reader_tp = done.tp_size
-        held.readers[(done.engine_id, done.rank)] = done.ok
         self._settle(held)
 
-    def _on_register(self, identity: bytes, reg: PushRegister) -> None:
+    def _on_register(self, identity: bytes, peer: PeerRecord, reg: PushRegister) -> None:
         rid = reg.request_id
-        peer = self._peers.get((reg.engine_id, reg.rank))
         problem = ""
         if reg.expect_boot != self.local.boot_id:
             problem = "stale: this prefill rank restarted; handshake again"
-        elif peer is None or peer.identity != identity:
-            problem = "handshake before registering a push"
         elif rid in self._released and rid not in self._held:
-            problem = f"request is no longer held ({self._released[rid]})"
+            problem = f"request is no longer held ({self._released[rid][0]})"
+        else:
+            problem = check_destination(peer, reg)
+        held = self._held.get(rid)
+        if not problem and held is None and not self._room_for_early():
+            problem = "too many requests registered that this prefill rank was not handed yet; retry later"
+        if not problem and held is not None and not ownership.may_register(held, reg.engine_id, reg.token):
+            problem = "the push registration's token does not match the request's"
         if problem:
-            self._reply(identity, Problem(rid, self.config.rank, problem))
+            self._problem(identity, rid, problem)
             return
-        assert peer is not None
-        held = self._entry(rid)
-        if not held.known:
+        if held is None:
+            held = self._entry(rid)
             held.deadline = time.monotonic() + self.config.push_timeout_s  # waiting for the request itself
-        held.target_tp = reg.tp_size
         layers = layers_by_source(peer.manifest, self.config.tp_size, rid).get(self.config.rank, [])
-        target = Target(peer, reg, layers)
+        target = Target(peer, reg, layers, checked=held.known)
+        if held.known:
+            held.target_tp = reg.tp_size
         previous = held.targets.get((reg.engine_id, reg.rank))
         if previous is not None and previous.inflight:
             target.error = "registered twice while the first push was in flight"
         held.targets[(reg.engine_id, reg.rank)] = target
+        self._out.registered.add(rid)
         if held.finished:
-            self._push_rest(held, target)
+            self._pusher.push_rest(held, target)
         elif held.block_ids is not None:
-            self._build_plans(held, target)
-            self._push(held, target, [x for x in target.layers if x in held.saved])
+            self._pusher.build_plans(held, target)
+            self._pusher.push(held, target, [x for x in target.layers if x in held.saved])
         self._settle(held)
 
     def _on_cancel(self, cancel: Cancel) -> None:
         held = self._held.get(cancel.request_id)
         target = held.targets.get((cancel.engine_id, cancel.rank)) if held is not None else None
-        if held is None or target is None:
+        if held is None or target is None or not same_token(target.register.token, cancel.token):
             return
         target.cancelled = True
         target.error = target.error or "cancelled by the decode rank"
         self._settle(held)
 
-    # -- loop: pushing ------------------------------------------------------------------------------------
-    def _source_ids(self, held: Held, target: Target) -> dict[int, Ids] | None:
-        """The request's block ids when a push to ``target`` can be planned (it expects no more tokens than
-        this prefill computed), else None."""
-        if target.error or held.block_ids is None:
-            return None
-        if target.register.num_tokens > held.num_tokens:
-            target.error = (f"decode expects {target.register.num_tokens} tokens, this prefill computed "
-                            f"{held.num_tokens}; both must count the same prompt")
-            return None
-        return held.block_ids
+    def _room_for_early(self) -> bool:
+        if self._early < MAX_EARLY:
+            return True
+        self._drop(f"word of {MAX_EARLY} requests not handed over yet is kept already")
+        return False
 
-    def _route(self, src_ids: dict[int, Ids], target: Target, layers: list[str], offset: int) -> TransferPlan:
-        reg = target.register
-        dst_ids = {int(g): np.asarray(v, dtype=np.int64) for g, v in reg.block_ids.items()}
-        staging = (reg.staging_addr + offset, reg.staging_bytes - offset) if reg.staging_addr else None
-        return route_plan(self.local.manifest, target.peer.manifest, src_ids, dst_ids, reg.num_tokens, layers,
-                          staging)
+    def _drop(self, why: str) -> None:
+        self.counters.rejected += 1
+        self._limit.warn(logger, "prefill rank %d: %s; dropped", self.config.rank, why)
 
-    def _build_plans(self, held: Held, target: Target) -> None:
-        """Per-layer WRITE plans for one decode rank, each sent as its layer is saved; staged layers land at
-        consecutive staging offsets, in layer order, where the decode rank re-lays them out."""
-        src_ids = self._source_ids(held, target) if target.plans is None else None
-        if src_ids is None:
-            return
-        plans: dict[str, CopyPlan] = {}
-        offset = 0
-        try:
-            for layer in target.layers:
-                tp = self._route(src_ids, target, [layer], offset)
-                offset += tp.staging_bytes
-                plans[layer] = tp.plan
-        except KvplaneError as e:
-            target.error = f"cannot plan the push: {e}"
-            return
-        target.plans = plans
+    def _problem(self, identity: bytes, request_id: str, reason: str) -> None:
+        if self._limit.allow():
+            self._reply(identity, Problem(request_id, self.config.rank, reason))
 
-    def _push_rest(self, held: Held, target: Target) -> None:
-        """The request is finished: write every layer not yet sent. When none was (a whole-request push) and
-        nothing is staged, one plan over all layers is built in one planner call instead of one per layer."""
-        if not target.sent and target.plans is None and not target.register.staging_addr:
-            src_ids = self._source_ids(held, target)
-            if src_ids is None or target.cancelled or held.aborted:
-                return
-            try:
-                plan = self._route(src_ids, target, target.layers, 0).plan
-            except KvplaneError as e:
-                target.error = f"cannot plan the push: {e}"
-                return
-            self._send(held, target, target.layers, plan)
-            return
-        self._build_plans(held, target)
-        self._push(held, target, target.layers)
+    def _reply(self, identity: bytes, message: Message) -> bool:
+        return channel.send(self._socket, message, self.counters, identity)
 
-    def _push(self, held: Held, target: Target, layers: list[str]) -> None:
-        if target.plans is None or target.error or target.cancelled or held.aborted:
-            return
-        todo = [x for x in layers if x not in target.sent]
-        if todo:
-            plans = [target.plans[x] for x in todo]
-            self._send(held, target, todo, CopyPlan.concat(plans) if len(plans) > 1 else plans[0])
-
-    def _send(self, held: Held, target: Target, layers: list[str], plan: CopyPlan) -> None:
-        target.sent.update(layers)
-        target.inflight += 1
-
-        def landed(error: KvplaneError | None) -> None:
-            target.inflight -= 1
-            if error is not None and not target.error:
-                target.error = f"WRITE failed: {error}"
-            self._settle(held)
-
-        self._outbox.put(target.peer.handle, plan.coalesced(), landed)
-
-    # -- loop: completion ---------------------------------------------------------------------------------
+    # -- loop: completion and time (prefill_settle.py) -----------------------------------------------------
     def _settle(self, held: Held) -> None:
-        """Report finished pushes, and release the request once nothing more can happen to its blocks."""
-        for target in held.targets.values():
-            if target.reported or target.inflight:
-                continue
-            complete = held.finished and set(target.layers) <= target.sent
-            if target.error or held.aborted or complete or not target.layers:
-                reason = target.error or ("aborted on the prefill instance" if held.aborted else "")
-                ok = not reason and (complete or not target.layers)
-                self._reply(target.peer.identity, PushResult(held.request_id, self.config.rank, ok, reason))
-                target.reported = True
-        if not held.known:
-            return
-        inflight = any(t.inflight for t in held.targets.values())
-        if inflight:
-            return
-        if held.aborted:
-            self._release(held, "failed", "aborted before its prefill finished")
-            return
-        if not held.finished:
-            return
-        if held.reader_tp and len(held.readers) >= held.reader_tp:
-            failed = [k for k, ok in held.readers.items() if not ok]
-            if failed:
-                self._release(held, "failed", f"decode rank(s) {failed} reported the read failed")
-            else:
-                self._release(held, "done")
-        elif held.target_tp and len(held.targets) >= held.target_tp and all(t.reported for t in held.targets.values()):
-            errors = [t.error for t in held.targets.values() if t.error]
-            self._release(held, "failed" if errors else "done", "; ".join(errors))
-
-    def _release(self, held: Held, state: State, reason: str = "") -> None:
-        del self._held[held.request_id]
-        self._released[held.request_id] = f"{state}{': ' + reason if reason else ''}"
-        while len(self._released) > REMEMBERED:
-            self._released.popitem(last=False)
-        if state != "done":
-            logger.warning("prefill rank %d: request %s %s%s", self.config.rank, held.request_id, state,
-                           f" ({reason})" if reason else "")
-        self._completions.append(Completion(held.request_id, state, reason=reason))
+        self._settler.settle(held)
 
     def _forget_peer(self, peer: PeerRecord, why: str) -> None:
         for held in list(self._held.values()):
@@ -415,35 +367,16 @@ class PrefillSide:
                     target.error = target.error or why
             self._settle(held)
 
-    def _reply(self, identity: bytes, message: Message) -> None:
-        channel.send(self._socket, message, self.counters, identity)
-
-    # -- loop: time ---------------------------------------------------------------------------------------
     def _tick(self) -> float:
         while self._layer_events and self._layer_events[0][1].query():
             layer, _ = self._layer_events.pop(0)
             self._on_layer_saved(layer)
-        self._outbox.pump()
         now = time.monotonic()
+        self._admission.prober.expire(now)
         if now >= self._next_lease_check:
             self._next_lease_check = now + min(0.05, self.config.lease_s / 10)
             for held in list(self._held.values()):
                 if held.deadline < now and not any(t.inflight for t in held.targets.values()):
-                    self._expire(held)
-        return 0.0005 if (self._outbox.busy or self._layer_events) else 0.05
-
-    def _expire(self, held: Held) -> None:
-        if not held.known:  # a registration whose request never came here: nothing of the engine's is held
-            del self._held[held.request_id]
-            for target in held.targets.values():
-                if not target.reported:
-                    self._reply(target.peer.identity, PushResult(held.request_id, self.config.rank, False,
-                                                                 "the prefill instance never saw this request"))
-            return
-        for target in held.targets.values():
-            if not target.reported:
-                target.error = target.error or "lease expired before the push completed"
-                self._reply(target.peer.identity, PushResult(held.request_id, self.config.rank, False, target.error))
-                target.reported = True
-        self._release(held, "timed_out", f"lease of {self.config.lease_s} s expired without the decode finishing")
+                    self._settler.expire(held)
+        return 0.0005 if self._layer_events else 0.05
 

@@ -27,7 +27,7 @@ class Conn:
     rank: int
     socket: zmq.Socket[bytes]
     started: float
-    state: str = "handshaking"  # -> "ready" | "failed"
+    state: str = "handshaking"  # -> "probing" (connecting the transport) -> "ready" | "failed"
     record: PeerRecord | None = None
     error: str = ""
     waiting: set[str] = field(default_factory=set)
@@ -63,6 +63,7 @@ class Target:
     peer: PeerRecord
     register: PushRegister
     layers: list[str]
+    checked: bool = False  # its token matched the request's (known once the engine handed the request over)
     plans: dict[str, CopyPlan] | None = None
     sent: set[str] = field(default_factory=set)
     inflight: int = 0
@@ -73,9 +74,20 @@ class Target:
 
 @dataclass
 class Held:
+    """One request this prefill rank holds, or has word of from a decode rank before the engine handed it over.
+
+    ``token`` comes from the engine; messages count only with it. ``owner`` is the decode instance (engine id)
+    the first message carrying the right token came from: later messages count only from that instance.
+    Word that came before the engine handed the request over (``early_reads``, unchecked ``targets``) is
+    checked against the token once it is known.
+    """
+
     request_id: str
     block_ids: dict[int, Ids] | None = None
     num_tokens: int = 0
+    token: str = ""
+    owner: str = ""
+    early_reads: dict[tuple[str, int], tuple[bool, int, str]] = field(default_factory=dict)  # ok, tp, token
     known: bool = False  # the engine handed it over (start_request or request_finished)
     finished: bool = False
     aborted: bool = False

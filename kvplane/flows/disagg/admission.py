@@ -1,0 +1,102 @@
+"""Which decode ranks a prefill rank talks to: handshakes, and whose messages count.
+
+A decode rank is known by ``(engine_id, rank)`` once its handshake passed ``peers.check_hello`` and its
+transport answered (``Prober``, off the loop). Every later message must come from the ZMQ connection that
+handshook under that name (``sender``). A record is replaced only by the same connection, or once the old
+connection is proved gone (a send to it fails: the ROUTER refuses unknown identities), so a replayed handshake
+with another rank's engine id cannot take its place; nor can a handshake that names another peer's transport.
+The transport is connected only after these checks, so a refused handshake never touches a working connection.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from kvplane.errors import KvplaneError, ManifestMismatch
+from kvplane.flows.disagg.limits import RateLimit
+from kvplane.flows.disagg.local import LocalKV
+from kvplane.flows.disagg.messages import Handshake, Message, Problem, Reject
+from kvplane.flows.disagg.peers import PeerRecord, Prober, check_hello, record
+from kvplane.kv.manifest import Manifest
+from kvplane.transports.base import PeerInfo
+
+logger = logging.getLogger("kvplane.disagg")
+Key = tuple[str, int]
+
+
+class Admission:
+    def __init__(self, local: LocalKV, prober: Prober, send: Callable[[bytes, Message], bool],
+                 replaced: Callable[[PeerRecord, str], None], limit: RateLimit) -> None:
+        self.local, self.prober, self._send, self._replaced, self._limit = local, prober, send, replaced, limit
+        self.peers: dict[Key, PeerRecord] = {}
+        self._probing: set[Key] = set()
+
+    def sender(self, identity: bytes, engine_id: str, rank: int) -> PeerRecord | None:
+        """The peer record a message claiming ``(engine_id, rank)`` may speak for, or None."""
+        peer = self.peers.get((engine_id, rank))
+        return peer if peer is not None and peer.identity == identity else None
+
+    def on_handshake(self, identity: bytes, hello: Handshake) -> None:
+        try:
+            manifest, info = check_hello(self.local, hello, expect_role="decode")
+        except ManifestMismatch as e:
+            self._reject(identity, Reject(e.field, repr(e.local), repr(e.remote), str(e)))
+            return
+        except KvplaneError as e:  # a manifest that does not decode, a descriptor without memory
+            self._reject(identity, Reject("handshake", "", "", str(e)))
+            return
+        key = (hello.engine_id, hello.rank)
+        old = self.peers.get(key)
+        if old is not None and old.identity == identity and old.boot_id == hello.boot_id \
+                and old.peer_bytes == hello.peer:
+            self._send(identity, self.local.handshake())  # the same connection asking again
+            return
+        why = self._refusal(key, identity, info)
+        if not why and key in self._probing:
+            why = "a handshake under this name is being checked already; retry once it is answered"
+        if why:
+            self._reject(identity, Reject("peer", "", "", why))
+            return
+        self._probing.add(key)
+
+        def connected(handle: str, error: str) -> None:
+            self._connected(identity, hello, manifest, info, handle, error)
+
+        if not self.prober.connect(info, connected):
+            self._probing.discard(key)
+            self._reject(identity, Reject("handshake", "", "", "too many transports being connected; retry"))
+
+    def _connected(self, identity: bytes, hello: Handshake, manifest: Manifest, info: PeerInfo, handle: str,
+                   error: str) -> None:
+        key = (hello.engine_id, hello.rank)
+        self._probing.discard(key)
+        why = f"this prefill rank cannot reach its transport: {error}" if error else \
+            self._refusal(key, identity, info)
+        if why:
+            self._reject(identity, Reject("handshake", "", "", why))
+            return
+        old = self.peers.get(key)
+        self.peers[key] = record(hello, manifest, info, handle, identity)
+        if old is not None:
+            self._replaced(old, f"decode {hello.engine_id} rank {hello.rank} handshook again (boot {hello.boot_id})")
+        self._send(identity, self.local.handshake())
+
+    def _refusal(self, key: Key, identity: bytes, info: PeerInfo) -> str:
+        """Why a handshake from ``identity`` may not (yet) stand for ``key``; "" when it may."""
+        old = self.peers.get(key)
+        if old is not None and old.identity != identity and self._alive(old):
+            return (f"decode {key[0]!r} rank {key[1]} is connected already (boot {old.boot_id}); a second "
+                    f"connection under its name is refused while the first one lives")
+        for other, peer in self.peers.items():
+            if other != key and peer.transport_name == info.name and self._alive(peer):
+                return f"transport {info.name!r} belongs to decode {other[0]!r} rank {other[1]}, which is connected"
+        return ""
+
+    def _alive(self, peer: PeerRecord) -> bool:
+        """Whether the connection ``peer`` handshook on is still up (the ROUTER refuses a gone identity)."""
+        return self._send(peer.identity, Problem("", self.local.config.rank, "connection check; ignore"))
+
+    def _reject(self, identity: bytes, reject: Reject) -> None:
+        self._limit.warn(logger, "prefill rank %d: handshake refused: %s", self.local.config.rank, reject.reason)
+        self._send(identity, reject)
