@@ -113,11 +113,7 @@ def _wait_done(side: PrefillSide | DecodeSide, request_id: str) -> float:
 
 def _push_params(sides: _Sides, request_id: str) -> TransferParams:
     """What a proxy hands decode before the prefill runs (push modes)."""
-    return TransferParams(
-        remote_engine_id=sides.prefill.config.engine_id, remote_request_id=request_id, remote_block_ids=[],
-        remote_host="127.0.0.1", remote_port=sides.prefill.base_port, tp_size=1, remote_block_size=BLOCK_TOKENS,
-        remote_num_tokens=0, remote_boot_id="", kvplane_mode="push",
-    )
+    return TransferParams.for_push(sides.prefill.config.engine_id, request_id, "127.0.0.1", sides.prefill.base_port)
 
 
 def _one(sides: _Sides, mode: Mode, p_ids: np.ndarray, d_ids: np.ndarray, tokens: int, compute_s: float) -> float:
@@ -129,16 +125,17 @@ def _one(sides: _Sides, mode: Mode, p_ids: np.ndarray, d_ids: np.ndarray, tokens
         params = prefill.request_finished(rid, {0: p_ids}, tokens)
         decode.start_pull(rid, params, {0: d_ids}, tokens)
     else:
-        decode.register_push(rid, _push_params(sides, rid), {0: d_ids}, tokens)
+        params = _push_params(sides, rid)
+        decode.register_push(rid, params, {0: d_ids}, tokens)
         time.sleep(REGISTER_S)  # decode registers while the prefill computes: let the registration land first
         if mode == "layerwise":
-            prefill.start_request(rid, {0: p_ids}, tokens)
+            prefill.start_request(rid, {0: p_ids}, tokens, token=params.kvplane_token)
             per_layer = compute_s / len(sides.p_kv.spec.layers)
             for layer in sides.p_kv.spec.layer_names:
                 time.sleep(per_layer)  # the layer's compute; the I/O loop writes earlier layers meanwhile
                 prefill.save_layer(layer)
         done = time.monotonic()
-        prefill.request_finished(rid, {0: p_ids}, tokens)
+        prefill.request_finished(rid, {0: p_ids}, tokens, token=params.kvplane_token)
     ready = _wait_done(decode, rid)
     _wait_done(prefill, rid)  # the prefill side released the blocks: the next request starts clean
     return ready - done

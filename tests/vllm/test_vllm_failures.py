@@ -84,7 +84,8 @@ def test_a_decode_aborted_while_waiting_for_a_push_gets_its_blocks_back_once_kvp
     from vllm.v1.request import Request, RequestStatus
 
     params = {"do_remote_prefill": True, "remote_engine_id": "slow", "remote_request_id": "p-z",
-              "remote_host": "127.0.0.1", "remote_port": dead_port(), "tp_size": 1, "kvplane_mode": "push"}
+              "remote_host": "127.0.0.1", "remote_port": dead_port(), "tp_size": 1, "kvplane_mode": "push",
+              "kvplane_token": "6" * 32}
     req = Request("d-3", PROMPT, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None,
                   block_hasher=decode.hasher)
     ext, is_async = decode.scheduler.get_num_new_matched_tokens(req, 0)

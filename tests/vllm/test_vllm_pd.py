@@ -107,10 +107,12 @@ def test_prefill_pushes_into_blocks_the_decode_registered_first(pair: tuple[Peer
     proxy_params = {  # what a proxy sends the decode before the prefill has run
         "do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_request_id": "p-2",
         "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1, "kvplane_mode": mode,
+        "kvplane_token": "5" * 32,  # the proxy gives both instances the request's token
     }
     decode.proc.send(cmd="run", request_id="d-2-9f8e7d6c", prompt=PROMPT, params=proxy_params)
     # vLLM makes the proxy's id unique inside the engine: "p-2" arrives as "p-2-<8 hex>"
-    done = prefill.ask(cmd="run", request_id="p-2-0a1b2c3d", prompt=PROMPT, params={"do_remote_decode": True})
+    done = prefill.ask(cmd="run", request_id="p-2-0a1b2c3d", prompt=PROMPT, params={"do_remote_decode": True,
+                                                                                      "kvplane_token": "5" * 32})
     assert done["kv_transfer_params"]["kvplane_mode"] == mode
     assert done["kv_transfer_params"]["remote_request_id"] == "p-2"
     prefill.ask(cmd="pump", request_id="p-2-0a1b2c3d")

@@ -48,6 +48,7 @@ class Send:
     block_ids: Groups
     num_tokens: int
     transfer_id: str = ""
+    token: str = ""  # the request's kvplane_token: every prefill rank must hold it under the same one
 
 
 @dataclass

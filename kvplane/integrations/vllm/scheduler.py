@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvplane.flows.disagg.params import TransferParams
+from kvplane.flows.disagg.tokens import new_token
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, lookup_address
 from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
@@ -187,7 +188,8 @@ class SchedulerSide:
                 and rid not in self._layerwise_started and computed >= request.num_prompt_tokens):
             self._layerwise_started.add(rid)
             n = request.num_prompt_tokens
-            self._meta.layerwise.append(Send(rid, self._blocks_for(ids, n), n, self.transfer_id(rid)))
+            self._meta.layerwise.append(Send(rid, self._blocks_for(ids, n), n, self.transfer_id(rid),
+                                             self._token(request)))
         if self.config.offload is None:
             return
         stored = self._stored.setdefault(rid, {})
@@ -263,11 +265,20 @@ class SchedulerSide:
         ids = self._blocks_for(groups, num_tokens)
         if num_tokens < 1 or not any(ids.values()):
             return False, None
-        self._meta.sends.append(Send(rid, ids, num_tokens, self.transfer_id(rid)))
+        token = self._token(request)
+        self._meta.sends.append(Send(rid, ids, num_tokens, self.transfer_id(rid), token))
         self._sending.add(rid)
-        return True, self.transfer_params(self.transfer_id(rid), ids, num_tokens)
+        return True, self.transfer_params(self.transfer_id(rid), ids, num_tokens, token)
 
-    def transfer_params(self, rid: str, ids: Groups, num_tokens: int) -> dict[str, Any]:
+    def _token(self, request: Any) -> str:
+        """The request's token: the proxy's (push modes: it gave the decode the same), else drawn here once."""
+        params = request.kv_transfer_params or {}
+        if not params.get("kvplane_token"):
+            params["kvplane_token"] = new_token()
+            request.kv_transfer_params = params
+        return str(params["kvplane_token"])
+
+    def transfer_params(self, rid: str, ids: Groups, num_tokens: int, token: str = "") -> dict[str, Any]:
         """What ``PrefillSide.request_finished`` would return, built here where vLLM needs it (see docs/vllm.md)."""
         return TransferParams(
             remote_engine_id=self.config.engine_id,
@@ -280,6 +291,7 @@ class SchedulerSide:
             remote_num_tokens=num_tokens,
             remote_boot_id=self.config.boot_id,
             kvplane_mode=self.config.mode,  # type: ignore[arg-type]
+            kvplane_token=token,
         ).to_dict()
 
     def held_request_ids(self) -> dict[str, set[str]]:

@@ -185,7 +185,8 @@ class WorkerSide:
         self._pushing_layers = bool(meta.layerwise)
         if self.prefill is not None:
             for send in meta.layerwise:
-                self.prefill.start_request(self._transfer_id(send), send.block_ids, send.num_tokens)
+                self.prefill.start_request(self._transfer_id(send), send.block_ids, send.num_tokens,
+                                           token=send.token or None)
 
     def start_load_kv(self, meta: KVPlaneMetadata) -> None:
         for rid in meta.aborts:
@@ -198,7 +199,8 @@ class WorkerSide:
             self._receive(receive)
         if self.prefill is not None:
             for send in meta.sends:
-                self.prefill.request_finished(self._transfer_id(send), send.block_ids, send.num_tokens)
+                self.prefill.request_finished(self._transfer_id(send), send.block_ids, send.num_tokens,
+                                              token=send.token or None)
                 self.counters["sends"] += 1
 
     def _transfer_id(self, send: Send) -> str:
