@@ -35,7 +35,7 @@ def stub_copies(backend: Backend) -> Backend:
     if id(backend) not in _twins:
         cls = type(backend)
         twin = type(f"{cls.__name__}NoCopy", (cls,), {"_execute": _no_copy, "_copy": _no_copy})
-        _twins[id(backend)] = twin(backend.device_index, emulated=backend.emulated)
+        _twins[id(backend)] = twin(backend.device_index)  # emulation is a class fact: the twin inherits it
     return _twins[id(backend)]
 
 

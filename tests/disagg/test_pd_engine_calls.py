@@ -51,11 +51,11 @@ def test_get_finished_returns_while_a_large_nixl_read_is_still_moving() -> None:
         dst = decode.allocate(BIG_TOKENS)
         params = prefill.side.request_finished("big", src, BIG_TOKENS)
         layer = BIG.layer_names[-1]
-        last_src = prefill.cache[layer][:, src[-1]].clone()
+        last_src = prefill.cache[layer][src[-1]].clone()  # packed_kv: blocks are dim 0
 
         def last_block_landed() -> bool:
-            return bool(torch.equal(decode.cache[layer][:, dst[-1]].view(torch.int16),
-                                    last_src.view(torch.int16)))
+            return bool(torch.equal(decode.cache[layer][dst[-1]].contiguous().view(torch.int16),
+                                    last_src.contiguous().view(torch.int16)))
 
         decode.side.start_pull("big", params, dst)
         end = time.monotonic() + 30
