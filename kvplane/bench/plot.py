@@ -39,7 +39,10 @@ TITLES = {
 
 
 def plot_available() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a finder that refuses it (or a broken install): no plot, the hint says why
+        return False
 
 
 def _colour(r: BenchResult) -> str:

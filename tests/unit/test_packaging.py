@@ -133,11 +133,11 @@ def kvplane_without_extras(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
-def test_kvplane_runs_without_pytest_or_rich_and_names_the_extra_a_command_needs() -> None:
+def test_kvplane_runs_without_pytest_rich_or_matplotlib_and_names_the_extra_a_command_needs() -> None:
     info = kvplane_without_extras("info")
     assert info.returncode == 0, info.stderr
     assert "cpu    available" in info.stdout
     conformance = kvplane_without_extras("conformance", "--device", "cpu")
     assert conformance.returncode == 2 and "pip install 'kvplane[conformance]'" in conformance.stderr
-    bench = kvplane_without_extras("bench", "--quick")
-    assert bench.returncode == 2 and "pip install 'kvplane[bench]'" in bench.stderr
+    listing = kvplane_without_extras("bench", "--list")  # the bench's table needs no extra; only its plot does
+    assert listing.returncode == 0 and "offload" in listing.stdout, listing.stderr

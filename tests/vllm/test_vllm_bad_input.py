@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from kvplane.flows.disagg.tokens import new_token
+
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
 from realsched import RealEngine, reference_digest, tiny_model_dir  # noqa: E402
@@ -84,7 +86,7 @@ def test_a_completion_for_an_unknown_or_already_reported_request_never_reaches_v
     decode.add("d", PROMPT, {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "p-1",
                              "remote_host": "127.0.0.1", "remote_port": free_port(), "tp_size": 1,
                              "remote_block_ids": [[1, 2, 3, 4, 5]], "remote_num_tokens": len(PROMPT),
-                             "remote_boot_id": "0123abcd", "kvplane_mode": "pull"})
+                             "remote_boot_id": "0123abcd", "kvplane_mode": "pull", "kvplane_token": new_token()})
     with caplog.at_level(logging.WARNING, logger="kvplane.vllm"):
         decode.finish("d")  # the pull fails (nobody there): recomputed
         decode.drain()

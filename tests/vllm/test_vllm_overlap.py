@@ -10,9 +10,13 @@ from typing import Any
 
 import pytest
 
+from kvplane.flows.disagg.tokens import new_token
+
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
 from realsched import LAYERS, STARTS_LOADS_AFTER_FORWARD, RealEngine, reference_digest, tiny_model_dir  # noqa: E402
+
+TOKEN = new_token()  # what a push-mode proxy puts in both sides' kv_transfer_params
 
 PROMPT = [(i * 17 + 3) % 997 for i in range(70)]
 QUICK = {"lease_s": 10.0, "heartbeat_s": 0.5, "handshake_timeout_s": 1.0, "transfer_timeout_s": 5.0,
@@ -99,10 +103,10 @@ def test_layerwise_pushes_start_layer_by_layer_during_the_forward(model_dir: str
     decode.add("d-1-9f8e7d6c", PROMPT, {
         "do_remote_prefill": True, "remote_engine_id": prefill.config.kv_transfer_config.engine_id,
         "remote_request_id": "req-1", "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
-        "kvplane_mode": "layerwise",
+        "kvplane_mode": "layerwise", "kvplane_token": TOKEN,  # a proxy gives both sides the request's token
     })
     decode.step()
-    prefill.add("req-1-0a1b2c3d", PROMPT, {"do_remote_decode": True})
+    prefill.add("req-1-0a1b2c3d", PROMPT, {"do_remote_decode": True, "kvplane_token": TOKEN})
     prefill.finish("req-1-0a1b2c3d")
 
     def prefill_steps_too() -> bool:

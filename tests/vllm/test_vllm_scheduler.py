@@ -8,10 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvplane.flows.disagg.tokens import new_token
+
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
 from realsched import RealEngine, reference_digest, tiny_model_dir  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
+
+TOKEN = new_token()  # what a push-mode proxy puts in both sides' kv_transfer_params
 
 PROMPT = [(i * 17 + 3) % 997 for i in range(70)]  # 4 full blocks of 16 and 6 tokens
 QUICK = {"lease_s": 10.0, "heartbeat_s": 0.5, "handshake_timeout_s": 1.0, "transfer_timeout_s": 5.0,
@@ -122,10 +126,10 @@ def test_push_keeps_the_prefill_engine_stepping_until_the_decode_has_its_kv(
     decode.add("d-1-9f8e7d6c", PROMPT, {
         "do_remote_prefill": True, "remote_engine_id": prefill.config.kv_transfer_config.engine_id,
         "remote_request_id": "req-1", "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
-        "kvplane_mode": mode,
+        "kvplane_mode": mode, "kvplane_token": TOKEN,  # a proxy gives both sides the request's token
     })
     decode.step()  # the registration goes out before the prefill has even seen the request
-    prefill.add("req-1-0a1b2c3d", PROMPT, {"do_remote_decode": True})
+    prefill.add("req-1-0a1b2c3d", PROMPT, {"do_remote_decode": True, "kvplane_token": TOKEN})
     prefill.finish("req-1-0a1b2c3d")
     assert prefill.scheduler.connector.has_pending_push_work()
 
