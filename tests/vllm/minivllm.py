@@ -33,7 +33,7 @@ from vllm.config import (
     set_current_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
@@ -81,6 +81,10 @@ def _scheduler_output(new: list[NewRequestData], cached: CachedRequestData, toke
     )
 
 
+# vLLM 0.27 hands a cross-layer cache to register_cross_layers_kv_cache; 0.33 has no such hook (a layout instead)
+CROSS_LAYER_HOOK = hasattr(KVConnectorBase_V1, "register_cross_layers_kv_cache")
+
+
 class MiniEngine:
     def __init__(
         self, extra: dict[str, Any], kv_role: str = "kv_both", *, groups: tuple[tuple[int, int], ...] = ((2, 16),),
@@ -115,7 +119,7 @@ class MiniEngine:
                     else FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=HEAD_DIM, dtype=torch.float32))
             group_specs.append(KVCacheGroupSpec(names, spec))
         names = list(self.layer_group)
-        tensors = [KVCacheTensor(size=0, shared_by=[name]) for name in names] if cross_layer else []
+        tensors = [KVCacheTensor(size=0, shared_by=[name]) for name in names] if cross_layer and CROSS_LAYER_HOOK else []
         self.kv_cache_config = KVCacheConfig(num_blocks, tensors, group_specs)
         self.workers: list[Any] = []
         self.rank_caches: list[dict[str, Any]] = []
@@ -124,14 +128,17 @@ class MiniEngine:
                 worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER,
                                                              self.kv_cache_config)
             caches: dict[str, Any] = {}
-            if cross_layer:  # built as vLLM's allocate_uniform_kv_caches builds it
+            if cross_layer:  # built as vLLM builds it: 0.27's allocate_uniform_kv_caches, 0.33's block-outermost layout
                 backend_cls = TritonMLABackend if mla else FlashAttentionBackend
                 with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):  # as in vLLM's worker
-                    assert worker.prefer_cross_layer_blocks  # vLLM asks before it allocates
                     cross, views = cross_layer_tensor(backend_cls, len(names), num_blocks, self.block_sizes[0],
                                                       1 if mla else heads, LORA + ROPE if mla else HEAD_DIM,
                                                       model_dtype=torch.float32)
-                    worker.register_cross_layers_kv_cache(cross, backend_cls)
+                    if CROSS_LAYER_HOOK:
+                        assert worker.prefer_cross_layer_blocks  # vLLM asks before it allocates
+                        worker.register_cross_layers_kv_cache(cross, backend_cls)
+                    else:  # vLLM 0.33: one backing, per-layer views that put a block of every layer in one range
+                        worker.register_kv_caches(dict(zip(names, views)))
                 caches = dict(zip(names, views))
             for name, g in ({} if cross_layer else self.layer_group).items():
                 nb, bs = num_blocks, self.block_sizes[g]
@@ -166,7 +173,8 @@ class MiniEngine:
         """Two views whose row ``[block, offset]`` is one token: k and v, or MLA's nope and rope."""
         cache = self.rank_caches[rank][name]
         if self.mla and isinstance(cache, torch.Tensor):
-            return (cache[..., :LORA], cache[..., LORA:])
+            rows = cache[:, 0] if cache.dim() == 4 else cache  # vLLM 0.33 views MLA as (nb, 1, bs, 576)
+            return (rows[..., :LORA], rows[..., LORA:])
         if isinstance(cache, torch.Tensor):
             return packed_kv_views(cache)
         return (cache[0], cache[1])
