@@ -6,13 +6,12 @@ restores, whether pending frees can stand in for a preemption, and sleep mode (`
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
-from realsched import RealEngine, reference_digest, tiny_model_dir  # noqa: E402
+from realsched import RealEngine, reference_digest  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
 PROMPT = [(i * 17 + 3) % 997 for i in range(70)]
@@ -28,19 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_model_dir(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[RealEngine]]:
-    made: list[RealEngine] = []
-    yield made
-    for e in made:
-        e.shutdown()
 
 
 @needs("get_external_cache_hit_sources")

@@ -5,13 +5,12 @@ N's stores must not evict what was promised to step N+1 (see ``realsched.py``)."
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
-from realsched import RealEngine, reference_digest, tiny_model_dir  # noqa: E402
+from realsched import RealEngine, reference_digest  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4  # one host block: 2 layers x K and V x 16 tokens x 2 heads x 8 dims x fp32
@@ -19,19 +18,6 @@ BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4  # one host block: 2 layers x K and V x 16 
 
 def prompt(seed: int) -> list[int]:
     return [(i * 17 + seed * 101 + 3) % 997 for i in range(70)]  # 4 full blocks and 6 tokens
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_model_dir(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[RealEngine]]:
-    made: list[RealEngine] = []
-    yield made
-    for e in made:
-        e.shutdown()
 
 
 def fill_host_tier(engine: RealEngine, *seeds: int) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ from kvplane.flows.disagg.tokens import new_token
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
-from realsched import RealEngine, reference_digest, tiny_model_dir  # noqa: E402
+from realsched import RealEngine, reference_digest  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 
 from kvplane.flows.disagg import Completion  # noqa: E402
@@ -28,19 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_model_dir(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[RealEngine]]:
-    made: list[RealEngine] = []
-    yield made
-    for e in made:
-        e.shutdown()
 
 
 def logged(caplog: pytest.LogCaptureFixture, rid: str) -> list[str]:

@@ -5,7 +5,7 @@ started before layer i+1's forward begins (see ``realsched.RealEngine.run_model`
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,7 +14,7 @@ from kvplane.flows.disagg.tokens import new_token
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
-from realsched import LAYERS, STARTS_LOADS_AFTER_FORWARD, RealEngine, reference_digest, tiny_model_dir  # noqa: E402
+from realsched import LAYERS, STARTS_LOADS_AFTER_FORWARD, RealEngine, reference_digest  # noqa: E402
 
 TOKEN = new_token()  # what a push-mode proxy puts in both sides' kv_transfer_params
 
@@ -27,19 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_model_dir(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[RealEngine]]:
-    made: list[RealEngine] = []
-    yield made
-    for e in made:
-        e.shutdown()
 
 
 def record(engine: RealEngine, side: Any, open_name: str) -> None:

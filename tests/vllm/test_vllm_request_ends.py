@@ -5,14 +5,13 @@ per-request table of both connector halves."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
-from realsched import RealEngine, reference_digest, tiny_model_dir  # noqa: E402
+from realsched import RealEngine, reference_digest  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -33,19 +32,6 @@ def gone_prefill(mode: str, groups: int = 1) -> dict[str, Any]:
             "remote_request_id": "p-x", "remote_host": "127.0.0.1", "remote_port": free_port(), "tp_size": 1,
             "remote_block_ids": [[1, 2, 3, 4, 5]] * groups, "remote_block_size": 16,
             "remote_num_tokens": len(PROMPT), "remote_boot_id": "0123abcd", "kvplane_mode": mode}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_model_dir(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[RealEngine]]:
-    made: list[RealEngine] = []
-    yield made
-    for e in made:
-        e.shutdown()
 
 
 @pytest.mark.parametrize("mode", ["pull", "push", "layerwise"])

@@ -4,7 +4,6 @@ scheduler creates the connector from the module path and applies its answers wit
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 
 import pytest
 
@@ -12,7 +11,7 @@ from kvplane.flows.disagg.tokens import new_token
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
-from realsched import RealEngine, reference_digest, tiny_model_dir  # noqa: E402
+from realsched import RealEngine, reference_digest  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 
 TOKEN = new_token()  # what a push-mode proxy puts in both sides' kv_transfer_params
@@ -26,19 +25,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_model_dir(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[RealEngine]]:
-    made: list[RealEngine] = []
-    yield made
-    for e in made:
-        e.shutdown()
 
 
 def test_vllm_schedules_a_repeated_prefix_from_the_host_tier(model_dir: str, engines: list[RealEngine]) -> None:

@@ -1,0 +1,28 @@
+"""Fixtures the tests that drive vLLM's real Scheduler share: one tiny model directory per module, and the
+engines a test made, shut down after it whatever happened. ``realsched`` (which imports vLLM) is imported only
+when a test asks for them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from realsched import RealEngine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from realsched import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def engines() -> Iterator[list[RealEngine]]:
+    made: list[RealEngine] = []
+    yield made
+    for e in made:
+        e.shutdown()
