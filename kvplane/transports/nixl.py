@@ -12,7 +12,6 @@ CPU-only), imported on first use. Methods may be called from several threads (on
 from __future__ import annotations
 
 import importlib
-import ipaddress
 import os
 import threading
 import uuid
@@ -22,6 +21,7 @@ from typing import Any
 from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import PeerUnreachable, TransportError, TransportUnavailable
+from kvplane.hosts import is_loopback
 from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
 from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
 from kvplane.transports.nixl_transfer import NixlTransfer
@@ -41,13 +41,6 @@ def _import_nixl() -> tuple[Any, str]:
     raise TransportUnavailable(f"NIXL does not import here ({'; '.join(failures)}); {INSTALL_HINT}")
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class NixlTransport(Transport):
@@ -82,7 +75,7 @@ class NixlTransport(Transport):
 
     def _start_agent(self) -> Any:
         added = []
-        if _is_loopback(self.config.host):  # UCX reads its environment once, when the backend starts
+        if is_loopback(self.config.host):  # UCX reads its environment once, when the backend starts
             added = [k for k in LOOPBACK_ENV if k not in os.environ]
             os.environ.update({k: LOOPBACK_ENV[k] for k in added})
         try:

@@ -14,7 +14,6 @@ RPC listens on 0.0.0.0 and NIXL's UCX on its devices, neither authenticated (doc
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.hosts import is_loopback
 
 if TYPE_CHECKING:
     from kvplane.flows.disagg.config import DisaggConfig
@@ -39,13 +39,6 @@ class CurveKeys:
     allowed: frozenset[bytes]  # prefill: decode public keys admitted
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _key(value: str, field: str) -> bytes:

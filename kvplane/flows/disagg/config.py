@@ -89,7 +89,8 @@ class DisaggConfig:
                 f">= 1, max_message_bytes={self.max_message_bytes} >= 4096"
             )
 
-        from kvplane.flows.disagg.auth import SECRET_ENV, is_loopback
+        from kvplane.flows.disagg.auth import SECRET_ENV
+        from kvplane.hosts import is_loopback
 
         if not (self.curve_secret_key or os.environ.get(SECRET_ENV)) and not is_loopback(self.host) \
                 and not self.allow_unauthenticated:
