@@ -5,12 +5,11 @@ restores, whether pending frees can stand in for a preemption, and sleep mode (`
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
+from ports import free_port  # noqa: E402
 from realsched import RealEngine, reference_digest  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
@@ -21,12 +20,6 @@ QUICK = {"lease_s": 10.0, "heartbeat_s": 0.5, "handshake_timeout_s": 1.0, "trans
 
 def needs(method: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(not hasattr(KVConnectorBase_V1, method), reason=f"this vLLM never calls {method}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @needs("get_external_cache_hit_sources")

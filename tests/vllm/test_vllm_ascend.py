@@ -5,7 +5,6 @@ Ascend hardware."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -14,17 +13,11 @@ pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip inst
 
 import torch  # noqa: E402
 from minivllm import MiniEngine  # noqa: E402
+from ports import free_port  # noqa: E402
 
 from kvplane.backend.registry import default_registry  # noqa: E402
 from kvplane.testing.backends import register_emulated  # noqa: E402
 from kvplane.testing.emulated import uninstall_emulated  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 PROMPT = [(i * 29 + 3) % 983 for i in range(75)]
 

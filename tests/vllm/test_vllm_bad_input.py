@@ -4,7 +4,6 @@ is logged once with the request id, and the request ends through ``kv_load_failu
 from __future__ import annotations
 
 import logging
-import socket
 from typing import Any
 
 import pytest
@@ -13,6 +12,7 @@ from kvplane.flows.disagg.tokens import new_token
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
+from ports import free_port  # noqa: E402
 from realsched import RealEngine, reference_digest  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 
@@ -21,12 +21,6 @@ from kvplane.flows.disagg import Completion  # noqa: E402
 PROMPT = [(i * 17 + 3) % 997 for i in range(70)]
 QUICK = {"lease_s": 10.0, "heartbeat_s": 0.5, "handshake_timeout_s": 1.0, "transfer_timeout_s": 3.0,
          "drain_timeout_s": 1.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def logged(caplog: pytest.LogCaptureFixture, rid: str) -> list[str]:

@@ -8,7 +8,6 @@ exactly once, vLLM's scheduler is empty, every table of the connector is empty, 
 
 from __future__ import annotations
 
-import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,9 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
+
+from ports import free_port  # noqa: E402
+
 hypothesis = pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -25,12 +27,6 @@ from realsched import RealEngine, tiny_model_dir  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
 MODEL_DIR = tiny_model_dir(Path(__import__("tempfile").mkdtemp(prefix="kvplane-lifecycle-")))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PlayedWorker:

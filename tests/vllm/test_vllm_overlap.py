@@ -4,7 +4,6 @@ started before layer i+1's forward begins (see ``realsched.RealEngine.run_model`
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ from kvplane.flows.disagg.tokens import new_token
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
+from ports import free_port  # noqa: E402
 from realsched import LAYERS, STARTS_LOADS_AFTER_FORWARD, RealEngine, reference_digest  # noqa: E402
 
 TOKEN = new_token()  # what a push-mode proxy puts in both sides' kv_transfer_params
@@ -21,12 +21,6 @@ TOKEN = new_token()  # what a push-mode proxy puts in both sides' kv_transfer_pa
 PROMPT = [(i * 17 + 3) % 997 for i in range(70)]
 QUICK = {"lease_s": 10.0, "heartbeat_s": 0.5, "handshake_timeout_s": 1.0, "transfer_timeout_s": 5.0,
          "drain_timeout_s": 1.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def record(engine: RealEngine, side: Any, open_name: str) -> None:

@@ -4,7 +4,6 @@ push, and a hybrid model with two KV-cache groups. The decode's KV must equal wh
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,16 +13,11 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
 from framed import FramedProcess  # noqa: E402
+from ports import free_port  # noqa: E402
 
 HERE = Path(__file__).parent
 FAST = {"lease_s": 10.0, "heartbeat_s": 0.5, "transfer_timeout_s": 20.0, "handshake_timeout_s": 10.0,
         "push_timeout_s": 30.0, "drain_timeout_s": 5.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Peer:

@@ -4,13 +4,13 @@ per-request table of both connector halves."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
+from ports import free_port  # noqa: E402
 from realsched import RealEngine, reference_digest  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
@@ -18,12 +18,6 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 PROMPT = [(i * 17 + 3) % 997 for i in range(70)]
 QUICK = {"lease_s": 10.0, "heartbeat_s": 0.5, "handshake_timeout_s": 1.0, "transfer_timeout_s": 3.0,
          "drain_timeout_s": 1.0, "push_timeout_s": 3.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def gone_prefill(mode: str, groups: int = 1) -> dict[str, Any]:

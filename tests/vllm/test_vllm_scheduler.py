@@ -3,14 +3,13 @@ scheduler creates the connector from the module path and applies its answers wit
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from kvplane.flows.disagg.tokens import new_token
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
+from ports import free_port  # noqa: E402
 from realsched import RealEngine, reference_digest  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 
@@ -19,12 +18,6 @@ TOKEN = new_token()  # what a push-mode proxy puts in both sides' kv_transfer_pa
 PROMPT = [(i * 17 + 3) % 997 for i in range(70)]  # 4 full blocks of 16 and 6 tokens
 QUICK = {"lease_s": 10.0, "heartbeat_s": 0.5, "handshake_timeout_s": 1.0, "transfer_timeout_s": 5.0,
          "drain_timeout_s": 1.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_vllm_schedules_a_repeated_prefix_from_the_host_tier(model_dir: str, engines: list[RealEngine]) -> None:

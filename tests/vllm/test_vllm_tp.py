@@ -3,21 +3,14 @@ heads), vLLM's rule that a request is finished once every rank reported it, rank
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
 from minivllm import MiniEngine  # noqa: E402
+from ports import free_port  # noqa: E402
 
 PROMPT = [(i * 41 + 7) % 977 for i in range(90)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])

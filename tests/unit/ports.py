@@ -1,0 +1,11 @@
+"""A free TCP port on 127.0.0.1 for a test's side channel (the kernel picks it; it may be taken again later)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
