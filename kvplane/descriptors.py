@@ -158,7 +158,9 @@ class CopyPlan:
         ``coalesced`` makes one descriptor per block for all layers. Otherwise they are concatenated as given,
         which keeps runs of consecutive blocks of one layer together. Plans of unequal length are concatenated.
         """
-        if len(plans) < 2 or len({len(p) for p in plans}) != 1 or not len(plans[0]):
+        if len(plans) == 1:
+            return plans[0]
+        if not plans or len({len(p) for p in plans}) != 1 or not len(plans[0]):
             return cls.concat(plans)
         src = np.stack([p.src for p in plans])
         dst = np.stack([p.dst for p in plans])

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvplane.descriptors import Region
 from kvplane.errors import LayoutError
-from kvplane.kv.layouts import LayerValue, Layout, get_layout
+from kvplane.kv.layouts import LAYOUTS, LayerValue, Layout, get_layout
 from kvplane.kv.layouts.base import SlotTensor
 from kvplane.kv.spec import KVSpec
 
@@ -50,8 +50,6 @@ def _layout_of(spec: KVSpec, by_family: dict[str, Layout], layer_name: str) -> L
 def matching_layouts(spec: KVSpec, layer_name: str, value: LayerValue) -> list[Layout]:
     """Every registered layout of the layer's family that reads ``value`` without error (engines whose shape
     function is not at hand: the tensor's own shape and strides decide)."""
-    from kvplane.kv.layouts import LAYOUTS
-
     layer = spec.layer(layer_name)
     tokens_per_block = spec.group(layer.group_id).tokens_per_block
     found = []
@@ -149,13 +147,13 @@ def _carve(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def allocate_cross_layer(
-    spec: KVSpec, layout: Layout | str, num_blocks: int, device: object = "cpu"
+    spec: KVSpec, layout: Layout | str, num_blocks: int, device: object = "cpu", zero: bool = True
 ) -> tuple[torch.Tensor, dict[str, LayerValue]]:
     """One tensor for every layer, as vLLM allocates it for a connector that prefers cross-layer blocks.
 
     Memory is ``(nb, num_layers, <one layer's NHD block>)``, so block ``i`` of every layer is one contiguous
     range. Returns that tensor (memory order, as vLLM passes it to ``register_cross_layers_kv_cache``) and the
-    per-layer logical views.
+    per-layer logical views. ``zero=False`` leaves the memory untouched (address space only, until written).
     """
     import torch
 
@@ -172,7 +170,8 @@ def allocate_cross_layer(
     assert isinstance(one, torch.Tensor)
     num_layers = len(spec.layers)
     per_block = one.numel()
-    cross = torch.zeros((num_blocks, num_layers, per_block), dtype=one.dtype, device=device)  # type: ignore[call-overload]
+    make = torch.zeros if zero else torch.empty
+    cross = make((num_blocks, num_layers, per_block), dtype=one.dtype, device=device)  # type: ignore[call-overload]
     views: dict[str, LayerValue] = {}
     for i, layer in enumerate(spec.layers):
         strides = [s if d != 0 else num_layers * per_block for d, s in enumerate(one.stride())]

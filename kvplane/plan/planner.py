@@ -137,10 +137,6 @@ def _describe(regions: list[Region]) -> str:
     return "; ".join(f"{r.slot} rows of {r.row_bytes} B x {r.heads} heads, {r.order}" for r in regions)
 
 
-def _merge(plans: list[CopyPlan]) -> CopyPlan:
-    return plans[0] if len(plans) == 1 else CopyPlan.merge_parallel(plans)
-
-
 def plan_transfer(
     src: Manifest,
     dst: Manifest,
@@ -235,7 +231,7 @@ def plan_transfer(
         direct_bytes += part.total_bytes
     if direct_bytes != expected_direct:
         raise PlanError(f"plan covers {direct_bytes} B directly but the request needs {expected_direct} B")
-    plan = CopyPlan.concat([_merge(p) for p in direct.values()] + parts).coalesced()
+    plan = CopyPlan.concat([CopyPlan.merge_parallel(p) for p in direct.values()] + parts).coalesced()
     return TransferPlan(plan, tuple(staged), staging_used, direct_bytes, staged_bytes, tuple(names))
 
 

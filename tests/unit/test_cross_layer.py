@@ -1,6 +1,6 @@
 """Cross-layer caches (vLLM's one tensor for all layers): per-layer views read like per-layer tensors, and plans
-between two of them move one descriptor per block for all layers. Caches here are ``torch.empty`` (address space,
-no pages touched), so 10k tokens of Qwen3-0.6B cost nothing to plan."""
+between two of them move one descriptor per block for all layers. Caches here are allocated with ``zero=False``
+(address space, no pages touched), so 10k tokens of Qwen3-0.6B cost nothing to plan."""
 
 from __future__ import annotations
 
@@ -24,23 +24,12 @@ def manifest(spec: KVSpec, cache: dict, layout: str, engine: str) -> Manifest:
                     tuple(regions_from_tensors(spec, cache, layout)))
 
 
-def empty_cross_layer(spec: KVSpec, layout: str, num_blocks: int) -> dict:
-    """The per-layer views of one ``torch.empty`` cross-layer tensor (allocate_cross_layer's strides)."""
-    _, views = allocate_cross_layer(spec, layout, 1)
-    one = next(iter(views.values()))
-    per_block, layers = one[0].numel(), len(spec.layers)
-    cross = torch.empty((num_blocks, layers, per_block), dtype=one.dtype)
-    return {name: cross[:, i].as_strided((num_blocks, *one.shape[1:]), (layers * per_block, *one.stride()[1:]),
-                                         i * per_block)
-            for i, name in enumerate(spec.layer_names)}
-
-
 @pytest.mark.parametrize("spec, layout", [(QWEN3, "packed_kv"), (DEEPSEEK_V3, "mla_fused")], ids=["qwen3", "dsv3"])
 def test_ten_thousand_tokens_between_cross_layer_caches_are_one_descriptor_per_block(spec: KVSpec, layout: str) -> None:
     tokens, blocks = 10_000, 625
     rng = np.random.default_rng(1)
     src_ids, dst_ids = rng.choice(2 * blocks, blocks, replace=False), rng.choice(2 * blocks, blocks, replace=False)
-    a, b = empty_cross_layer(spec, layout, 2 * blocks), empty_cross_layer(spec, layout, 2 * blocks)
+    (_, a), (_, b) = (allocate_cross_layer(spec, layout, 2 * blocks, zero=False) for _ in range(2))
     plan = plan_transfer(manifest(spec, a, layout, "a"), manifest(spec, b, layout, "b"),
                          {0: src_ids}, {0: dst_ids}, {0: tokens}).plan
     assert len(plan) <= blocks

@@ -18,7 +18,12 @@ import pytest
 import torch
 
 from kvplane.errors import LayoutError, PlanError, SpecError
-from kvplane.kv.binding import allocate_cache, layouts_by_family, regions_from_tensors
+from kvplane.kv.binding import (
+    allocate_cache,
+    check_whole_allocations,
+    layouts_by_family,
+    regions_from_tensors,
+)
 from kvplane.kv.layouts import LAYOUTS, get_layout
 from kvplane.kv.spec import KVGroup, KVSpec, LayerSpec, SlotSpec
 
@@ -632,3 +637,26 @@ def test_region_messages_are_plain_text_not_reprs_of_tensors() -> None:
         regions_from_tensors(spec, tensors, "packed_kv")
     assert "tensor(" not in str(info.value)
     assert re.search(r"dtype='float32'", str(info.value))  # the fix it names
+
+
+# -- whole allocations ---------------------------------------------------------------------------------------
+def test_whole_allocations_pass_and_so_do_halves_of_one_buffer() -> None:
+    cache = torch.zeros((2, NB, BS, H, D))
+    check_whole_allocations({"layers.0": cache})
+    check_whole_allocations({"layers.0": (cache[0], cache[1])})  # K and V halves of one buffer, checked together
+
+
+@pytest.mark.parametrize("view", ["first blocks", "shifted", "one half"])
+def test_a_slice_of_the_engines_cache_is_refused_naming_the_uncovered_bytes(view: str) -> None:
+    cache = torch.zeros((NB, BS, H, D))
+    part = {"first blocks": cache[: NB - 2], "shifted": cache[2:], "one half": torch.zeros((2, NB, BS, H, D))[0]}
+    with pytest.raises(LayoutError, match=r"layers \['layers\.0'\]: their tensors leave bytes \[\d+, \d+\) .* uncovered"):
+        check_whole_allocations({"layers.0": part[view]})
+
+
+def test_gaps_under_the_backends_alignment_pass() -> None:
+    buf = torch.zeros(NB * BS * H * D + 64)
+    aligned = buf[16 : 16 + NB * BS * H * D].view(NB, BS, H, D)  # vllm-ascend: an aligned view of a larger buffer
+    with pytest.raises(LayoutError, match="uncovered"):
+        check_whole_allocations({"layers.0": aligned})
+    check_whole_allocations({"layers.0": aligned}, slack=64 * 4)
