@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
+from itertools import compress
 
 import numpy as np
 
@@ -129,9 +130,9 @@ class OffloadEngine:
         for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
             held = self.index.blocks_of(g, hashes) >= 0
             if held.any():
-                cached = [h for h, c in zip(hashes, held) if c]
+                cached = list(compress(hashes, held.tolist()))
                 self.index.release(g, self.index.pin(g, cached))  # touch: most recently used
-            new = [h for h, c in zip(hashes, held) if not c]
+            new = list(compress(hashes, (~held).tolist())) if held.any() else hashes
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
                 groups[g] = GroupBlocks(device_ids[~held][: len(ids)], ids, new[: len(ids)])
@@ -147,19 +148,22 @@ class OffloadEngine:
 
     def save_layer(self, layer_name: str) -> None:
         """After layer ``layer_name`` wrote its KV: enqueue its D2H for every open store (returns at once)."""
-        self._group_of(layer_name)
-        jobs = [j for j in self._open.values() if layer_name in j.layers_left]
-        if not jobs:
+        pos = self._layer_pos.get(layer_name)
+        if pos is None or not self._open:
+            self._group_of(layer_name)  # an unknown name raises; a layer of a group without host blocks is a no-op
             return
-        g, i = self._layer_pos[layer_name]
-        for j in jobs:
-            plan, bounds = j.plans[g]
-            self._pending_saves.append((plan, bounds[i], bounds[i + 1]))
-        done = []
-        for j in jobs:
-            j.layers_left.discard(layer_name)
-            if not j.layers_left:
-                done.append(j)
+        g, i = pos
+        done: list[StoreJob] = []
+        for j in self._open.values():
+            left = j.layers_left
+            if layer_name in left:
+                plan, bounds = j.plans[g]
+                self._pending_saves.append((plan, bounds[i], bounds[i + 1]))
+                left.discard(layer_name)
+                if not left:
+                    done.append(j)
+        if not self._pending_saves:
+            return
         if done or self.copier.save_stream.query():
             self._flush_saves()
         if done:
