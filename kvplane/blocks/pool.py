@@ -18,9 +18,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvplane.descriptors import Int64Array as I64
 from kvplane.errors import BlockError, PoolExhausted
 
-I64 = npt.NDArray[np.int64]
 _COMPACT = 1024  # queue entries consumed (or stale) before the lists are rewritten
 
 
@@ -76,7 +76,8 @@ class BlockPool:
 
     def oldest_cached(self, n: int) -> list[int]:
         """The ``n`` cached blocks an allocation would evict first, oldest first (no side effects)."""
-        return self._oldest(n).tolist()
+        out: list[int] = self._oldest(n).tolist()
+        return out
 
     # -- state changes -------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -159,7 +160,7 @@ class BlockPool:
         if self._refs[b] == 0:
             raise BlockError(f"block {b} is not referenced; only a block being filled can be cached")
         if block_hash in self._block_of:
-            return self._block_of[block_hash] == b
+            return bool(self._block_of[block_hash] == b)
         if self._hashed[b]:
             del self._block_of[self._hash_of[b]]
         self._hash_of[b] = block_hash

@@ -13,14 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-import numpy.typing as npt
-
 from kvplane.backend.base import Backend, Event, Stream
+from kvplane.blocks.groups import Ids
 from kvplane.descriptors import CopyPlan, Region
 from kvplane.flows.offload.layer_plans import LayerPlanner
-
-Ids = npt.NDArray[np.int64]
 
 
 class LayerCopier:

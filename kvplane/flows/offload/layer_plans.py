@@ -17,12 +17,10 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 import numpy as np
-import numpy.typing as npt
 
+from kvplane.blocks.groups import Ids
 from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import PlanError
-
-Ids = npt.NDArray[np.int64]
 
 _native: ModuleType | None
 try:  # the same C extension as the cpu backend's memcpy; without it the numpy passes below do the work
