@@ -140,6 +140,8 @@ class OffloadEngine:
         job = StoreJob(request_id, groups, layers)
         for g, blocks in groups.items():
             job.plans[g] = self.copier.save_parts(self._group_layers[g], blocks.device_ids, blocks.host_ids)
+            if self.copier.save_merged(self._group_layers[g]):
+                job.merged_left[g] = len(self._group_layers[g])
         if layers:
             self._open[request_id] = job
         else:
@@ -158,7 +160,12 @@ class OffloadEngine:
             left = j.layers_left
             if layer_name in left:
                 plan, bounds = j.plans[g]
-                self._pending_saves.append((plan, bounds[i], bounds[i + 1]))
+                if g not in j.merged_left:
+                    self._pending_saves.append((plan, bounds[i], bounds[i + 1]))
+                else:  # one plan for every layer of the group: it goes once the last of them was saved
+                    j.merged_left[g] -= 1
+                    if not j.merged_left[g]:
+                        self._pending_saves.append((plan, 0, len(plan)))
                 left.discard(layer_name)
                 if not left:
                     done.append(j)

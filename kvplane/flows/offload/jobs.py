@@ -35,6 +35,8 @@ class StoreJob:
     plans: dict[int, tuple[CopyPlan, list[int]]] = field(default_factory=dict)
     event: Event | None = None  # after the last enqueued copy, once no layer is left or on abort
     aborted: bool = False
+    # groups whose plan covers every layer at once (cross-layer caches): layers of each still to be saved
+    merged_left: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
