@@ -27,6 +27,10 @@ class Held(Generic[T]):
         self._key, self._value = key, value
         return value
 
+    def __bool__(self) -> bool:
+        """Whether something is held now."""
+        return self._value is not None
+
     def release(self) -> None:
         value, self._value, self._key = self._value, None, None
         if value is not None:
