@@ -1,8 +1,9 @@
 """The bench catalog: every scenario ``kvplane bench`` runs, listed here and nowhere else.
 
 Cross-layer rows (suffix ``-xl``): the same request over vLLM's one tensor for all layers, beside the per-layer
-row; the default run has offload store/load for both models and a 1k-token P/D pull of Qwen3 per engine, the
-full run adds P/D READ/WRITE between processes at 10k tokens and the push modes.
+row; the default run has DeepSeek-V3's offload store/load (61 layers: the most descriptors saved) and a 1k-token
+P/D pull of Qwen3 per engine, the full run adds Qwen3's offload rows, P/D READ/WRITE between processes at 10k
+tokens and the push modes.
 
 ``DEFAULT`` is a plain ``kvplane bench`` (about 2 minutes on 2 cores): one representative row per kind and
 model. ``full()`` is ``--full``: the default rows at full size plus the sweeps (block sizes, raw transports,
@@ -36,7 +37,7 @@ def _rows(layouts: dict[str, str] | None, variant: str, full: bool) -> list[Scen
     rows: list[Scenario] = []
     for m in MODELS:
         rows += [offload.scenario(m, d, layouts, variant) for d in ("store", "load")]
-        if not variant:  # the same request over cross-layer tensors, right after the per-layer rows
+        if not variant and (full or m == "deepseek-v3"):  # over cross-layer tensors, after the per-layer rows
             rows += [offload.scenario(m, d, variant=XL, cross_layer=True) for d in ("store", "load")]
     for m in MODELS:
         rows += [overhead.scenario(m, d, layouts, variant) for d in ("store", "load")]

@@ -63,13 +63,14 @@ def test_kvplane_moves_one_descriptor_per_block_and_the_baseline_one_per_layer_a
 
 
 def test_cross_layer_rows_sit_beside_the_per_layer_rows_of_the_same_run() -> None:
-    default = [s.name for s in scenarios.default()]
+    default, full = [s.name for s in scenarios.default()], [s.name for s in scenarios.full()]
     for m in scenarios.MODELS:
         for d in ("store", "load"):
-            assert default.index(f"offload-{m}-{d}{scenarios.XL}") > default.index(f"offload-{m}-{d}")
+            assert full.index(f"offload-{m}-{d}{scenarios.XL}") > full.index(f"offload-{m}-{d}")
+    for d in ("store", "load"):
+        assert default.index(f"offload-deepseek-v3-{d}{scenarios.XL}") > default.index(f"offload-deepseek-v3-{d}")
     for e in scenarios.ENGINES:
         assert f"pd-flow-{e}-qwen3-0.6b-pull{scenarios.XL}" in default
-    full = [s.name for s in scenarios.full()]
     for e in scenarios.ENGINES:  # the 2x goal: 10k tokens of Qwen3 between processes, per engine
         assert f"pd-{e}-qwen3-0.6b-read{scenarios.XL}" in full and f"pd-{e}-qwen3-0.6b-read" in full
     assert all(s.params.get("cross_layer") for s in scenarios.full() if s.name.endswith(scenarios.XL))
