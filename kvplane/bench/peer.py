@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from kvplane.errors import LayoutError
 from kvplane.kv.binding import (
     LayoutChoice,
     allocate_cache,
@@ -109,11 +110,11 @@ def cross_layer_cache(
 ) -> tuple[torch.Tensor, dict[str, LayerValue]]:
     """``allocate_cross_layer``'s tensor and per-layer views, on memory from ``alloc`` (a backend's allocator)."""
     if order != "NHD":
-        raise ValueError(f"order={order!r}: cross-layer blocks are allocated NHD (vLLM's order); pass order='NHD'")
+        raise LayoutError(f"order={order!r}: cross-layer blocks are allocated NHD (vLLM's order); pass order='NHD'")
     by_family = layouts_by_family(layout)
     families = {layer.family for layer in spec.layers}
     if len(families) != 1:
-        raise ValueError(f"cross-layer blocks need one layer family; this spec has {sorted(families)}")
+        raise LayoutError(f"cross-layer blocks need one layer family; this spec has {sorted(families)}")
     meta, views = allocate_cross_layer(spec, by_family[families.pop()], num_blocks, device="meta", zero=False)
     raw = alloc(meta.numel() * meta.element_size())
     cross = raw.view(meta.dtype).view(meta.shape)
