@@ -200,8 +200,9 @@ class OffloadEngine:
 
     def wait_for_save(self) -> None:
         """Enqueue the layers no ``save_layer`` covered, then block until every store's copies are done."""
-        for name in self._layer_group:
-            if any(name in j.layers_left for j in self._open.values()):
+        if self._open:  # in model order, as a forward would have saved them
+            left = set().union(*(j.layers_left for j in self._open.values()))
+            for name in [n for n in self._layer_group if n in left]:
                 self.save_layer(name)
         for job in self._saving.values():
             if job.event is not None:
