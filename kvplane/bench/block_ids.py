@@ -14,14 +14,13 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
-import numpy.typing as npt
 
+from kvplane.blocks.groups import Ids
 from kvplane.descriptors import CopyPlan, Region
 
 Pattern = Literal["scatter", "runs"]
 PATTERNS: tuple[Pattern, ...] = ("scatter", "runs")
 MEAN_RUN = 32
-Ids = npt.NDArray[np.int64]
 
 
 def request_ids(pattern: Pattern, total: int, n: int, rng: np.random.Generator) -> Ids:

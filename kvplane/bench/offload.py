@@ -1,6 +1,7 @@
 """Offload-engine scenarios (kind ``offload``): a request's KV through ``OffloadEngine``'s full path against a
 contiguous ``copy_`` of the same bytes in the same run.
 
+The device cache is per-layer tensors, or (``cross_layer``, the ``-xl`` rows) vLLM's one tensor for all layers.
 10k tokens (2k with ``--quick``) in scattered 16-token blocks of a device cache twice that size. ``store`` times
 ``start_store`` + ``save_layer`` per layer + ``wait_for_save`` + ``get_finished`` (events, copy stream, host
 pool, prefix index); every rep stores a fresh prefix, so the host tier evicts the previous one, as in steady
@@ -28,8 +29,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.backend.base import Backend
+from kvplane.bench.held import Held
 from kvplane.bench.local_copy import same_blocks
 from kvplane.bench.models import model_spec
+from kvplane.bench.peer import cross_layer_cache
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenario import Scenario
 from kvplane.bench.timing import MIN_REPS, interleave, timed
@@ -80,7 +83,7 @@ class OffloadRig:
 
 def build_rig(
     backend: Backend, model: str, tokens: int, host_blocks_factor: int = 1, store: StoreConfig | None = None,
-    layouts: LayoutChoice | None = None, fill: bool = True,
+    layouts: LayoutChoice | None = None, fill: bool = True, cross_layer: bool = False,
 ) -> OffloadRig:
     import torch
 
@@ -94,7 +97,10 @@ def build_rig(
         words = device.view(torch.int64)
         torch.arange(words.numel(), dtype=torch.int64, out=words)
         words.mul_(0x9E3779B1)
-    cache = allocate_cache(spec, layouts, total, alloc=lambda n: device[:n], zero=False)
+    if cross_layer:
+        cache = cross_layer_cache(spec, layouts, total, lambda n: device[:n], "NHD")[1]
+    else:
+        cache = allocate_cache(spec, layouts, total, alloc=lambda n: device[:n], zero=False)
     engine = OffloadEngine(
         backend, spec, cache, OffloadConfig(host_blocks_factor * blocks * per_block, store), layouts=layouts
     )
@@ -184,22 +190,20 @@ def _verify(rig: OffloadRig, hashes: list[int], new_id: Callable[[], str]) -> bo
     return same_blocks(rig.spec, rig.cache, rig.src_ids, rig.cache, rig.dst_ids, rig.layouts)
 
 
-_held: list[tuple[tuple[object, ...], OffloadRig]] = []  # the last model's rig: store and load share it
+_held: Held[OffloadRig] = Held(OffloadRig.close)  # the last model's rig: store and load share it
 
 
-def _rig(backend: Backend, model: str, tokens: int, layouts: LayoutChoice | None, fill: bool = True) -> OffloadRig:
-    key = (backend.label, model, tokens, repr(layouts), fill, id(backend))
-    if _held and _held[0][0] == key:
-        return _held[0][1]
-    _release()
-    rig = build_rig(backend, model, tokens, layouts=layouts, fill=fill)
-    _held.append((key, rig))
-    return rig
+def _rig(
+    backend: Backend, model: str, tokens: int, layouts: LayoutChoice | None, fill: bool = True,
+    cross_layer: bool = False,
+) -> OffloadRig:
+    key = (backend.label, model, tokens, repr(layouts), fill, id(backend), cross_layer)
+    return _held.get(key, lambda: build_rig(backend, model, tokens, layouts=layouts, fill=fill,
+                                            cross_layer=cross_layer))
 
 
 def _release() -> None:
-    while _held:
-        _held.pop()[1].close()
+    _held.release()
 
 
 def _params(backend: Backend, rig: OffloadRig, model: str, direction: str, tokens: int) -> dict[str, object]:
@@ -211,12 +215,13 @@ def _params(backend: Backend, rig: OffloadRig, model: str, direction: str, token
 
 def run_offload(
     backend: Backend, model: str, direction: str, quick: bool, layouts: LayoutChoice | None = None,
-    name: str | None = None,
+    name: str | None = None, cross_layer: bool = False,
 ) -> BenchResult:
     tokens = QUICK_TOKENS if quick else TOKENS
-    rig = _rig(backend, model, tokens, layouts)
+    rig = _rig(backend, model, tokens, layouts, cross_layer=cross_layer)
     new_id = _Ids(f"bench-{model}-{direction}")
     params = _params(backend, rig, model, direction, tokens)
+    params["cache"] = "cross-layer" if cross_layer else "per-layer"
     hashes = next(rig.prefixes)
     if direction == "store":
         copied = store_once(rig, new_id(), hashes)
@@ -287,12 +292,16 @@ def overlap(rig: OffloadRig, hashes: list[int], load_s: float, new_id: Callable[
     }
 
 
-def scenario(model: str, direction: str, layouts: LayoutChoice | None = None, variant: str = "") -> Scenario:
+def scenario(
+    model: str, direction: str, layouts: LayoutChoice | None = None, variant: str = "", cross_layer: bool = False
+) -> Scenario:
     """One request's store or load through ``OffloadEngine``; ``layouts`` (default: the backend's) and a name
-    ``variant`` let a list add the same row over another layout (cross-layer blocks)."""
+    ``variant`` let a list add the same row over another layout; ``cross_layer`` allocates the device cache as
+    vLLM's one tensor for all layers."""
     name = f"offload-{model}-{direction}{variant}"
 
     def run(backend: Backend, quick: bool) -> BenchResult:
-        return run_offload(backend, model, direction, quick, layouts, name)
+        return run_offload(backend, model, direction, quick, layouts, name, cross_layer)
 
-    return Scenario(name, "offload", run, {"model": model, "direction": direction}, release=_release)
+    params = {"model": model, "direction": direction, "cross_layer": cross_layer}
+    return Scenario(name, "offload", run, params, release=_release)

@@ -2,6 +2,10 @@
 READs 16-token blocks from it or WRITEs them into it through kvplane (planner + transport), and through the raw
 engine's own batch calls in the same run, one descriptor per block and layer slot (vLLM's per-layer blocks).
 
+Caches are per-layer tensors (vLLM's default) or, for the ``-xl`` rows, vLLM's one cross-layer tensor on both
+sides: then a block of every layer is one range and kvplane moves one descriptor per block, while the raw
+baseline still moves one descriptor per block and layer (what the engine moves for vLLM's per-layer blocks).
+
 Block ids are ``scatter`` (random) or ``runs`` (mostly consecutive, as a fresh request's are; the planner
 coalesces them, the raw baseline does not). ``ratio`` is kvplane over raw. Bytes are verified once, right after
 kvplane's first transfer (before the raw engine touches the same blocks), by comparing block digests.
@@ -9,7 +13,6 @@ kvplane's first transfer (before the raw engine touches the same blocks), by com
 
 from __future__ import annotations
 
-import atexit
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ import numpy as np
 
 from kvplane.backend.base import Backend
 from kvplane.bench.block_ids import Pattern, per_block_plan, request_ids
+from kvplane.bench.held import Held
 from kvplane.bench.models import model_spec
 from kvplane.bench.peer import CacheConfig, KVBuffer, PeerConfig, PeerProcess
 from kvplane.bench.results import BenchResult, make_result
@@ -39,7 +43,6 @@ MODELS = ("qwen3-0.6b", "deepseek-v3")
 
 @dataclass
 class _Pair:
-    key: tuple[str, str, int, str, str]
     peer: PeerProcess
     local: KVBuffer
     transport: Transport
@@ -50,36 +53,31 @@ class _Pair:
         self.peer.close()
 
 
-_held: list[_Pair] = []  # one peer at a time, shared by the READ and WRITE scenarios of an engine and model
+_held: Held[_Pair] = Held(_Pair.close)  # one peer at a time, shared by the READ and WRITE rows of an engine and model
 
 
-def _pair(backend: Backend, engine: str, model: str, tokens: int, layouts: LayoutNames | None) -> _Pair:
-    key = (backend.label, engine, tokens, model, repr(layouts))
-    if _held and _held[0].key == key:
-        return _held[0]
-    while _held:
-        _held.pop().close()
-    spec = model_spec(model, BLOCK_TOKENS)
-    family = spec.layers[0].family
-    layout = backend.layouts[family] if layouts is None else layouts if isinstance(layouts, str) else layouts[family]
-    num_blocks = 2 * -(-tokens // BLOCK_TOKENS)
-    peer = PeerProcess(
-        PeerConfig((CacheConfig(spec, layout, num_blocks, seed=1, engine_id="prefill"),), engine)
-    )
-    local = KVBuffer(spec, layout, num_blocks, backend.alloc_host)
-    local.fill(2)
-    transport = get_transport_class(engine)(
-        backend, TransportConfig(timeout_s=120.0), agent_name="bench-decode"
-    )
-    transport.register(backend.registration_spans(local.regions))
-    pair = _Pair(key, peer, local, transport, transport.connect(peer.info))
-    _held.append(pair)
-    return pair
+def _pair(
+    backend: Backend, engine: str, model: str, tokens: int, layouts: LayoutNames | None, cross_layer: bool
+) -> _Pair:
+    def build() -> _Pair:
+        spec = model_spec(model, BLOCK_TOKENS)
+        family = spec.layers[0].family
+        layout = backend.layouts[family] if layouts is None else layouts if isinstance(layouts, str) else layouts[family]
+        num_blocks = 2 * -(-tokens // BLOCK_TOKENS)
+        peer = PeerProcess(PeerConfig(
+            (CacheConfig(spec, layout, num_blocks, seed=1, engine_id="prefill", cross_layer=cross_layer),), engine
+        ))
+        local = KVBuffer(spec, layout, num_blocks, backend.alloc_host, cross_layer=cross_layer)
+        local.fill(2)
+        transport = get_transport_class(engine)(backend, TransportConfig(timeout_s=120.0), agent_name="bench-decode")
+        transport.register(backend.registration_spans(local.regions))
+        return _Pair(peer, local, transport, transport.connect(peer.info))
+
+    return _held.get((backend.label, engine, tokens, model, repr(layouts), cross_layer), build)
 
 
 def close_all() -> None:
-    while _held:
-        _held.pop().close()
+    _held.release()
 
 
 def raw_move(transport: Transport, peer: str, op: Op, plan: CopyPlan) -> None:
@@ -119,10 +117,10 @@ def raw_move(transport: Transport, peer: str, op: Op, plan: CopyPlan) -> None:
 
 def run_pd(
     backend: Backend, engine: str, model: str, op: Op, quick: bool, pattern: Pattern = "scatter",
-    layouts: LayoutNames | None = None, name: str | None = None,
+    layouts: LayoutNames | None = None, name: str | None = None, cross_layer: bool = False,
 ) -> BenchResult:
     tokens = QUICK_TOKENS if quick else TOKENS
-    pair = _pair(backend, engine, model, tokens, layouts)
+    pair = _pair(backend, engine, model, tokens, layouts, cross_layer)
     blocks = -(-tokens // BLOCK_TOKENS)
     rng = np.random.default_rng(7 if op == "READ" else 8)
     remote_ids = request_ids(pattern, 2 * blocks, blocks, rng)
@@ -169,23 +167,22 @@ def run_pd(
             "baseline_descriptors": len(raw_plan),
             "plan_ms": round(plan_s * 1e3, 3),
             "sides": "two processes on 127.0.0.1",
+            "cache": "cross-layer" if cross_layer else "per-layer",
         },
     )
 
 
 def scenario(
     engine: str, model: str, op: Op, pattern: Pattern = "scatter", layouts: LayoutNames | None = None,
-    variant: str = "",
+    variant: str = "", cross_layer: bool = False,
 ) -> Scenario:
     """kvplane's transport moving one request between processes; ``layouts`` (default: the backend's) and a
-    name ``variant`` let a list add the same row over another layout (cross-layer blocks)."""
+    name ``variant`` let a list add the same row over another layout; ``cross_layer`` allocates both caches as
+    vLLM's one tensor for all layers (the baseline still moves one descriptor per layer and block)."""
     name = f"pd-{engine}-{model}-{op.lower()}" + ("" if pattern == "scatter" else f"-{pattern}") + variant
 
     def run(backend: Backend, quick: bool) -> BenchResult:
-        return run_pd(backend, engine, model, op, quick, pattern, layouts, name)
+        return run_pd(backend, engine, model, op, quick, pattern, layouts, name, cross_layer)
 
-    params = {"engine": engine, "model": model, "op": op, "pattern": pattern}
+    params = {"engine": engine, "model": model, "op": op, "pattern": pattern, "cross_layer": cross_layer}
     return Scenario(name, "pd", run, params, release=close_all)
-
-
-atexit.register(close_all)  # peers are daemons anyway; this closes them politely first

@@ -10,6 +10,9 @@ calls) in the same run, so ``ratio`` is what the flow costs over bare bytes on t
 Block ids are ``scatter`` (random) or ``runs`` (mostly consecutive, as a fresh request's are); the baseline
 moves one descriptor per block and layer slot either way, as a raw engine does with vLLM's per-layer blocks.
 
+Caches are per-layer tensors, or (``cross_layer``, the ``-xl`` rows) vLLM's one tensor for all layers on both
+sides, where a block of every layer is one descriptor; the baseline still moves one per block and layer.
+
 Layer-wise push runs the prefill as ``PREFILL_COMPUTE_S`` of simulated compute split evenly over the layers
 (seed 001's local prefill of 10k tokens took 470 ms), saving each layer as it ends. In the same run a whole-request
 push of the same blocks is timed; ``hidden`` is the share of that push's time that no longer shows after prefill
@@ -19,7 +22,6 @@ flight at once (``max_inflight``), which on loopback can finish sooner than one 
 
 from __future__ import annotations
 
-import atexit
 import statistics
 import time
 import uuid
@@ -30,6 +32,7 @@ import numpy as np
 
 from kvplane.backend.base import Backend
 from kvplane.bench.block_ids import Pattern, per_block_plan, request_ids
+from kvplane.bench.held import Held
 from kvplane.bench.models import model_spec
 from kvplane.bench.pd import raw_move
 from kvplane.bench.peer import KVBuffer
@@ -56,7 +59,6 @@ POLL_S = 0.001
 
 @dataclass
 class _Sides:
-    key: tuple[str, str, str, int, str]
     prefill: PrefillSide
     decode: DecodeSide
     p_kv: KVBuffer
@@ -67,34 +69,33 @@ class _Sides:
         self.prefill.close()
 
 
-_held: list[_Sides] = []  # one pair at a time, shared by the three modes of an engine and model
+_held: Held[_Sides] = Held(_Sides.close)  # one pair at a time, shared by the three modes of an engine and model
 
 
-def _sides(backend: Backend, engine: str, model: str, tokens: int, layouts: LayoutChoice | None) -> _Sides:
-    key = (backend.label, engine, model, tokens, repr(layouts))
-    if _held and _held[0].key == key:
-        return _held[0]
-    close_all()
-    spec = model_spec(model, BLOCK_TOKENS)
-    layout = backend.layouts[spec.layers[0].family] if layouts is None else layouts
-    num_blocks = 2 * -(-tokens // BLOCK_TOKENS)
-    p_kv = KVBuffer(spec, layout, num_blocks, backend.alloc_device)
-    d_kv = KVBuffer(spec, layout, num_blocks, backend.alloc_device)
-    p_kv.fill(1)
-    tag = uuid.uuid4().hex[:6]
-    common: dict[str, Any] = {"transport": engine, "transfer_timeout_s": WAIT_S, "push_timeout_s": WAIT_S,
-                              "lease_s": WAIT_S, "port": 0}
-    prefill = PrefillSide(backend, spec, p_kv.cache, DisaggConfig(engine_id=f"bench-p-{tag}", **common),
-                          layouts=layout)
-    decode = DecodeSide(backend, spec, d_kv.cache, DisaggConfig(engine_id=f"bench-d-{tag}", **common),
-                        layouts=layout)
-    _held.append(_Sides(key, prefill, decode, p_kv, d_kv))
-    return _held[0]
+def _sides(
+    backend: Backend, engine: str, model: str, tokens: int, layouts: LayoutChoice | None, cross_layer: bool
+) -> _Sides:
+    def build() -> _Sides:
+        spec = model_spec(model, BLOCK_TOKENS)
+        layout = backend.layouts[spec.layers[0].family] if layouts is None else layouts
+        num_blocks = 2 * -(-tokens // BLOCK_TOKENS)
+        p_kv = KVBuffer(spec, layout, num_blocks, backend.alloc_device, cross_layer=cross_layer)
+        d_kv = KVBuffer(spec, layout, num_blocks, backend.alloc_device, cross_layer=cross_layer)
+        p_kv.fill(1)
+        tag = uuid.uuid4().hex[:6]
+        common: dict[str, Any] = {"transport": engine, "transfer_timeout_s": WAIT_S, "push_timeout_s": WAIT_S,
+                                  "lease_s": WAIT_S, "port": 0}
+        prefill = PrefillSide(backend, spec, p_kv.cache, DisaggConfig(engine_id=f"bench-p-{tag}", **common),
+                              layouts=layout)
+        decode = DecodeSide(backend, spec, d_kv.cache, DisaggConfig(engine_id=f"bench-d-{tag}", **common),
+                            layouts=layout)
+        return _Sides(prefill, decode, p_kv, d_kv)
+
+    return _held.get((backend.label, engine, model, tokens, repr(layouts), cross_layer), build)
 
 
 def close_all() -> None:
-    while _held:
-        _held.pop().close()
+    _held.release()
 
 
 def _wait_done(side: PrefillSide | DecodeSide, request_id: str) -> float:
@@ -144,9 +145,10 @@ def _one(sides: _Sides, mode: Mode, p_ids: np.ndarray, d_ids: np.ndarray, tokens
 def run_flow(
     backend: Backend, engine: str, model: str, mode: Mode, quick: bool, pattern: Pattern = "scatter",
     layouts: LayoutChoice | None = None, name: str | None = None, tokens: int | None = None,
+    cross_layer: bool = False,
 ) -> BenchResult:
     tokens = tokens if tokens is not None else QUICK_TOKENS if quick else TOKENS
-    sides = _sides(backend, engine, model, tokens, layouts)
+    sides = _sides(backend, engine, model, tokens, layouts, cross_layer)
     blocks = -(-tokens // BLOCK_TOKENS)
     rng = np.random.default_rng({"pull": 11, "push": 12, "layerwise": 13}[mode])
     p_ids = request_ids(pattern, 2 * blocks, blocks, rng)
@@ -183,6 +185,7 @@ def run_flow(
         "baseline_descriptors": len(raw_plan), "first_request_ms": round(first * 1e3, 1),
         "prefill_done_to_kv_ready_ms": round(seconds * 1e3, 1), "raw_ms": round(baseline_seconds * 1e3, 1),
         "sides": "one process, two transport engines on 127.0.0.1",
+        "cache": "cross-layer" if cross_layer else "per-layer",
     }
     if mode == "layerwise":
         push_s = statistics.median(pushes)
@@ -206,17 +209,15 @@ def _name(engine: str, model: str, mode: Mode, pattern: Pattern) -> str:
 
 def scenario(
     engine: str, model: str, mode: Mode, pattern: Pattern = "scatter", layouts: LayoutChoice | None = None,
-    variant: str = "", tokens: int | None = None,
+    variant: str = "", tokens: int | None = None, cross_layer: bool = False,
 ) -> Scenario:
     """One request through the disaggregation flow; ``layouts`` (default: the backend's) and a name ``variant``
-    let a list add the same row over another layout (cross-layer blocks); ``tokens`` overrides the size."""
+    let a list add the same row over another layout; ``cross_layer`` allocates both caches as vLLM's one tensor
+    for all layers; ``tokens`` overrides the size."""
     name = _name(engine, model, mode, pattern) + variant
 
     def run(backend: Backend, quick: bool) -> BenchResult:
-        return run_flow(backend, engine, model, mode, quick, pattern, layouts, name, tokens)
+        return run_flow(backend, engine, model, mode, quick, pattern, layouts, name, tokens, cross_layer)
 
-    params = {"engine": engine, "model": model, "mode": mode, "pattern": pattern}
+    params = {"engine": engine, "model": model, "mode": mode, "pattern": pattern, "cross_layer": cross_layer}
     return Scenario(name, "pd", run, params, release=close_all)
-
-
-atexit.register(close_all)

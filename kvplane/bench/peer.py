@@ -2,7 +2,8 @@
 
 The parent starts ``serve`` with the ``spawn`` context and a pipe. The peer allocates a KV cache in one host
 buffer, fills it with a seeded pattern, registers it with a real transport and answers with its ``PeerInfo``
-and manifest. It then serves a few commands over the pipe (msgpack): ``digest`` of given blocks (so the parent
+and manifest. Either cache kind can be allocated: per-layer tensors, or vLLM's cross-layer tensor (``CacheConfig.cross_layer``).
+It then serves a few commands over the pipe (msgpack): ``digest`` of given blocks (so the parent
 can verify bytes without shipping them), ``fill``, ``zero``, ``notifications`` and ``exit``.
 """
 
@@ -16,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from kvplane.errors import LayoutError
 from kvplane.kv.binding import (
     LayoutChoice,
     allocate_cache,
+    allocate_cross_layer,
     layouts_by_family,
     regions_from_tensors,
     slot_tensors,
@@ -42,6 +45,7 @@ class CacheConfig(msgspec.Struct, frozen=True):
     tp_size: int = 1
     engine_id: str = "peer"
     order: str = "NHD"  # memory order of token-major/head-major blocks
+    cross_layer: bool = False  # one tensor for all layers, as vLLM allocates for cross-layer blocks
 
 
 class PeerConfig(msgspec.Struct, frozen=True):
@@ -52,18 +56,29 @@ class PeerConfig(msgspec.Struct, frozen=True):
 
 
 class KVBuffer:
-    """A KV cache carved from one host buffer, with the helpers both peer and parent use."""
+    """A KV cache carved from one host buffer, with the helpers both peer and parent use.
 
-    def __init__(self, spec: KVSpec, layout: LayoutChoice, num_blocks: int, alloc: Any, order: str = "NHD") -> None:
-        self.spec, self.layout = spec, layout
-        held: list[torch.Tensor] = []
+    ``cross_layer``: the buffer is vLLM's one tensor for all layers (``allocate_cross_layer``'s memory order,
+    ``(blocks, layers, one layer's block)``), and each layer's tensor is a view into it, so block ``i`` of every
+    layer is one contiguous range; otherwise every layer's tensor is its own range of the buffer.
+    """
 
-        def take(n: int) -> torch.Tensor:
-            held.append(alloc(n))
-            return held[0]
+    def __init__(
+        self, spec: KVSpec, layout: LayoutChoice, num_blocks: int, alloc: Any, order: str = "NHD",
+        cross_layer: bool = False,
+    ) -> None:
+        self.spec, self.layout, self.cross_layer = spec, layout, cross_layer
+        if cross_layer:
+            self.buffer, self.cache = cross_layer_cache(spec, layout, num_blocks, alloc, order)
+        else:
+            held: list[torch.Tensor] = []
 
-        self.cache: dict[str, LayerValue] = allocate_cache(spec, layout, num_blocks, alloc=take, order=order)
-        self.buffer = held[0]
+            def take(n: int) -> torch.Tensor:
+                held.append(alloc(n))
+                return held[0]
+
+            self.cache = allocate_cache(spec, layout, num_blocks, alloc=take, order=order)
+            self.buffer = held[0]
         self.regions = regions_from_tensors(spec, self.cache, layout)
 
     def fill(self, seed: int) -> None:
@@ -90,6 +105,26 @@ class KVBuffer:
         return Manifest(engine_id, rank, tp_size, device_type, self.spec, layouts, tuple(self.regions))
 
 
+def cross_layer_cache(
+    spec: KVSpec, layout: LayoutChoice, num_blocks: int, alloc: Any, order: str
+) -> tuple[torch.Tensor, dict[str, LayerValue]]:
+    """``allocate_cross_layer``'s tensor and per-layer views, on memory from ``alloc`` (a backend's allocator)."""
+    if order != "NHD":
+        raise LayoutError(f"order={order!r}: cross-layer blocks are allocated NHD (vLLM's order); pass order='NHD'")
+    by_family = layouts_by_family(layout)
+    families = {layer.family for layer in spec.layers}
+    if len(families) != 1:
+        raise LayoutError(f"cross-layer blocks need one layer family; this spec has {sorted(families)}")
+    meta, views = allocate_cross_layer(spec, by_family[families.pop()], num_blocks, device="meta", zero=False)
+    raw = alloc(meta.numel() * meta.element_size())
+    cross = raw.view(meta.dtype).view(meta.shape)
+    cache: dict[str, LayerValue] = {}
+    for name, v in views.items():
+        assert not isinstance(v, tuple)  # allocate_cross_layer takes one-tensor layouts only
+        cache[name] = cross.as_strided(v.shape, v.stride(), v.storage_offset())
+    return raw, cache
+
+
 def serve(conn: Connection, config_bytes: bytes) -> None:
     """The peer's main: set up, report, then serve commands until ``exit`` or the pipe closes."""
     from kvplane.backend import get_backend
@@ -100,7 +135,7 @@ def serve(conn: Connection, config_bytes: bytes) -> None:
     backend = get_backend("cpu")
     kvs = []
     for c in cfg.caches:
-        kv = KVBuffer(c.spec, c.layout, c.num_blocks, backend.alloc_host, c.order)
+        kv = KVBuffer(c.spec, c.layout, c.num_blocks, backend.alloc_host, c.order, c.cross_layer)
         kv.fill(c.seed)
         kvs.append(kv)
     transport = get_transport_class(cfg.transport)(

@@ -17,10 +17,11 @@ from kvplane.bench.models import model_spec
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenario import Scenario
 from kvplane.bench.timing import interleave
+from kvplane.blocks.groups import Ids as I64
 from kvplane.descriptors import Region, SlotPart
 from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVSpec
-from kvplane.plan.planner import I64, TransferPlan, plan_transfer
+from kvplane.plan.planner import TransferPlan, plan_transfer
 
 BLOCK_TOKENS = 16
 

@@ -1,5 +1,10 @@
 """The bench catalog: every scenario ``kvplane bench`` runs, listed here and nowhere else.
 
+Cross-layer rows (suffix ``-xl``): the same request over vLLM's one tensor for all layers, beside the per-layer
+row; the default run has DeepSeek-V3's offload store/load (61 layers: the most descriptors saved) and a 1k-token
+P/D pull of Qwen3 per engine, the full run adds Qwen3's offload rows, P/D READ/WRITE between processes at 10k
+tokens and the push modes.
+
 ``DEFAULT`` is a plain ``kvplane bench`` (about 2 minutes on 2 cores): one representative row per kind and
 model. ``full()`` is ``--full``: the default rows at full size plus the sweeps (block sizes, raw transports,
 block-id patterns, big store and plan sizes). Scenario modules only offer factories; nothing registers on
@@ -20,6 +25,8 @@ MODELS = ("qwen3-0.6b", "deepseek-v3")
 ENGINES = ("mooncake", "nixl")
 DEFAULT_PD_TOKENS = 1_000  # the default run's P/D rows (fixed costs dominate its time); --full: 10k
 
+XL = "-xl"  # the name suffix of a row over vLLM's cross-layer tensors (one tensor for all layers, both sides)
+
 # (name suffix, layouts by family): extra layouts measured beside the backend's own, e.g.
 # ("-xl", {"gqa": "<cross-layer gqa layout>", "mla": "<cross-layer mla layout>"})
 LAYOUT_VARIANTS: tuple[tuple[str, dict[str, str]], ...] = ()
@@ -30,11 +37,15 @@ def _rows(layouts: dict[str, str] | None, variant: str, full: bool) -> list[Scen
     rows: list[Scenario] = []
     for m in MODELS:
         rows += [offload.scenario(m, d, layouts, variant) for d in ("store", "load")]
+        if not variant and (full or m == "deepseek-v3"):  # over cross-layer tensors, after the per-layer rows
+            rows += [offload.scenario(m, d, variant=XL, cross_layer=True) for d in ("store", "load")]
     for m in MODELS:
         rows += [overhead.scenario(m, d, layouts, variant) for d in ("store", "load")]
     for e in ENGINES:
         for m in MODELS:
             rows += [pd_flow.scenario(e, m, mode, "scatter", layouts, variant, pd_tokens) for mode in pd_flow.MODES]
+        if not variant:
+            rows.append(pd_flow.scenario(e, MODELS[0], "pull", variant=XL, tokens=pd_tokens, cross_layer=True))
     if store.available():
         for m in MODELS:
             rows += [store.scenario(m, op, layouts=layouts, variant=variant) for op in ("put", "get")]
@@ -52,6 +63,9 @@ def _sweeps(layouts: dict[str, str] | None, variant: str) -> list[Scenario]:
         for m in MODELS:
             for pattern in ("scatter", "runs"):
                 rows += [pd.scenario(e, m, op, pattern, layouts, variant) for op in ("READ", "WRITE")]
+            if not variant:  # between processes over cross-layer tensors (the 2x goal is Qwen3's 10k READ here)
+                rows += [pd.scenario(e, m, op, variant=XL, cross_layer=True) for op in ("READ", "WRITE")]
+                rows += [pd_flow.scenario(e, m, mode, variant=XL, cross_layer=True) for mode in ("push", "layerwise")]
             rows += [pd_flow.scenario(e, m, mode, "runs", layouts, variant) for mode in pd_flow.MODES]
     if store.available():
         for m in MODELS:

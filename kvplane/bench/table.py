@@ -42,6 +42,8 @@ def label(r: BenchResult) -> str:
         parts.append(f"bs{p['block_tokens']}")
     if p.get("blocks_pattern") == "runs":
         parts.append("runs")
+    if p.get("cache") == "cross-layer":
+        parts.append("xl")  # vLLM's one tensor for all layers
     if r.kind == "plan":
         parts.append(f"{int(p.get('tokens', 0)) // 1000}k")
     text = " ".join(x for x in parts if x)

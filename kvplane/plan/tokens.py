@@ -11,11 +11,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
+from kvplane.descriptors import Int64Array as I64
 from kvplane.errors import PlanError
-
-I64 = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)

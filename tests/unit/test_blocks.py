@@ -455,6 +455,27 @@ PoolMachine.TestCase.settings = settings(
 test_pool_against_a_reference_model = PoolMachine.TestCase
 
 
+def test_many_ref_release_cycles_keep_lru_order_and_a_bounded_queue() -> None:
+    """Thousands of pin/release cycles on cached blocks (what loads do): eviction still takes the least recently
+    released first, and the pool's lazily-deleted LRU queue does not grow with the number of cycles."""
+    rng = np.random.default_rng(5)
+    pool = BlockPool(64)
+    blocks = pool.allocate(64)
+    assert pool.cache_many(np.array(blocks, dtype=np.int64), list(range(64))).all()
+    pool.unref(blocks)
+    lru = sorted(blocks)  # the model: released in one call, so in id order
+    for _ in range(3000):
+        some = rng.choice(64, int(rng.integers(1, 9)), replace=False)
+        pool.ref(some)
+        pool.unref(some)
+        lru = [b for b in lru if b not in set(some.tolist())] + sorted(some.tolist())
+    assert len(pool._lru) <= 4 * 64 + 2048  # bounded, not 3000 cycles long
+    assert pool.oldest_cached(10) == lru[:10]
+    got = pool.allocate(10)
+    assert got == lru[:10] and all(pool.hash_of(b) is None for b in got)
+    assert pool.num_free == 54 and pool.blocks_of([lru[10], lru[0]]).tolist() == [lru[10], -1]
+
+
 # -- block tables --------------------------------------------------------------------------------------------
 def test_a_block_table_keeps_ids_per_group_in_token_order() -> None:
     table = BlockTable("req-1", group_ids=(0, 1))

@@ -374,10 +374,10 @@ def test_an_abort_enqueues_its_waiting_layers_and_frees_its_blocks_only_after_th
 
 
 def test_caching_many_blocks_at_once_matches_caching_them_one_by_one() -> None:
-    from kvplane.flows.offload.index import _LruPool
+    from kvplane.blocks.pool import BlockPool
 
     rng = np.random.default_rng(3)
-    one, many = _LruPool(16), _LruPool(16)
+    one, many = BlockPool(16), BlockPool(16)
     for pool in (one, many):
         pool.allocate(16)
     for _ in range(5):  # re-keying blocks, hashes other blocks already hold, and repeats within one call
@@ -385,7 +385,7 @@ def test_caching_many_blocks_at_once_matches_caching_them_one_by_one() -> None:
         hashes = [int(h) for h in rng.integers(0, 10, 12)]
         want = [one.cache(int(b), h) for b, h in zip(ids, hashes)]
         assert many.cache_many(ids.astype(np.int64), hashes).tolist() == want
-        assert many._block_of == one._block_of and many._hash_of == one._hash_of
+        assert many._block_of == one._block_of and many._hash_of.tolist() == one._hash_of.tolist()
     many.unref(np.arange(3, dtype=np.int64))
     with pytest.raises(BlockError, match="block 0 is not referenced"):
         many.cache_many(np.array([5, 0], dtype=np.int64), [1, 2])

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-import numpy.typing as npt
-
+from kvplane.blocks.groups import Ids
 from kvplane.kv.manifest import Manifest
 from kvplane.plan.heads import source_ranks
 from kvplane.plan.planner import REPLICATED_FAMILIES, TransferPlan, plan_transfer, staging_bytes_needed
-
-Ids = npt.NDArray[np.int64]
 
 
 def layers_by_source(dst: Manifest, src_tp: int, request_id: str) -> dict[int, list[str]]:

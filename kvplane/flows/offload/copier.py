@@ -13,14 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-import numpy.typing as npt
-
 from kvplane.backend.base import Backend, Event, Stream
+from kvplane.blocks.groups import Ids
 from kvplane.descriptors import CopyPlan, Region
 from kvplane.flows.offload.layer_plans import LayerPlanner
-
-Ids = npt.NDArray[np.int64]
 
 
 class LayerCopier:
@@ -43,6 +39,11 @@ class LayerCopier:
         return self._planner(self._save_planners, layers, self.device_regions, self.host_regions).parts(
             device_ids, host_ids
         )
+
+    def save_merged(self, layers: Sequence[str]) -> bool:
+        """Whether the D2H of ``layers`` is one descriptor per block for all of them (cross-layer caches): then
+        it can start only once every one of them was saved."""
+        return self._planner(self._save_planners, layers, self.device_regions, self.host_regions).merged
 
     def load_parts(self, layers: Sequence[str], host_ids: Ids, device_ids: Ids) -> tuple[CopyPlan, list[int]]:
         """H2D of ``layers`` (one KV-cache group) as one plan and each layer's bounds in it."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
+from itertools import compress
 
 import numpy as np
 
@@ -129,9 +130,9 @@ class OffloadEngine:
         for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
             held = self.index.blocks_of(g, hashes) >= 0
             if held.any():
-                cached = [h for h, c in zip(hashes, held) if c]
+                cached = list(compress(hashes, held.tolist()))
                 self.index.release(g, self.index.pin(g, cached))  # touch: most recently used
-            new = [h for h, c in zip(hashes, held) if not c]
+            new = list(compress(hashes, (~held).tolist())) if held.any() else hashes
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
                 groups[g] = GroupBlocks(device_ids[~held][: len(ids)], ids, new[: len(ids)])
@@ -139,6 +140,8 @@ class OffloadEngine:
         job = StoreJob(request_id, groups, layers)
         for g, blocks in groups.items():
             job.plans[g] = self.copier.save_parts(self._group_layers[g], blocks.device_ids, blocks.host_ids)
+            if self.copier.save_merged(self._group_layers[g]):
+                job.merged_left[g] = len(self._group_layers[g])
         if layers:
             self._open[request_id] = job
         else:
@@ -147,19 +150,27 @@ class OffloadEngine:
 
     def save_layer(self, layer_name: str) -> None:
         """After layer ``layer_name`` wrote its KV: enqueue its D2H for every open store (returns at once)."""
-        self._group_of(layer_name)
-        jobs = [j for j in self._open.values() if layer_name in j.layers_left]
-        if not jobs:
+        pos = self._layer_pos.get(layer_name)
+        if pos is None or not self._open:
+            self._group_of(layer_name)  # an unknown name raises; a layer of a group without host blocks is a no-op
             return
-        g, i = self._layer_pos[layer_name]
-        for j in jobs:
-            plan, bounds = j.plans[g]
-            self._pending_saves.append((plan, bounds[i], bounds[i + 1]))
-        done = []
-        for j in jobs:
-            j.layers_left.discard(layer_name)
-            if not j.layers_left:
-                done.append(j)
+        g, i = pos
+        done: list[StoreJob] = []
+        for j in self._open.values():
+            left = j.layers_left
+            if layer_name in left:
+                plan, bounds = j.plans[g]
+                if g not in j.merged_left:
+                    self._pending_saves.append((plan, bounds[i], bounds[i + 1]))
+                else:  # one plan for every layer of the group: it goes once the last of them was saved
+                    j.merged_left[g] -= 1
+                    if not j.merged_left[g]:
+                        self._pending_saves.append((plan, 0, len(plan)))
+                left.discard(layer_name)
+                if not left:
+                    done.append(j)
+        if not self._pending_saves:
+            return
         if done or self.copier.save_stream.query():
             self._flush_saves()
         if done:
@@ -189,8 +200,9 @@ class OffloadEngine:
 
     def wait_for_save(self) -> None:
         """Enqueue the layers no ``save_layer`` covered, then block until every store's copies are done."""
-        for name in self._layer_group:
-            if any(name in j.layers_left for j in self._open.values()):
+        if self._open:  # in model order, as a forward would have saved them
+            left = set().union(*(j.layers_left for j in self._open.values()))
+            for name in [n for n in self._layer_group if n in left]:
                 self.save_layer(name)
         for job in self._saving.values():
             if job.event is not None:

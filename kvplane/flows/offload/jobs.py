@@ -35,6 +35,8 @@ class StoreJob:
     plans: dict[int, tuple[CopyPlan, list[int]]] = field(default_factory=dict)
     event: Event | None = None  # after the last enqueued copy, once no layer is left or on abort
     aborted: bool = False
+    # groups whose plan covers every layer at once (cross-layer caches): layers of each still to be saved
+    merged_left: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -51,7 +53,11 @@ def paired(
     request_id: str, hashes: PerGroup, device_ids: PerGroup, group_ids: Sequence[int]
 ) -> dict[int, tuple[list[int], Ids]]:
     """Hashes and device ids per group, checked to pair up one to one."""
-    hs = per_group("block_hashes", hashes, group_ids, OffloadError)
+    hs: dict[int, list[int]]
+    if isinstance(hashes, list) and len(group_ids) == 1:  # one group's hashes as a list: no array round trip
+        hs = {group_ids[0]: hashes}
+    else:
+        hs = {g: v.tolist() for g, v in per_group("block_hashes", hashes, group_ids, OffloadError).items()}
     ds = per_group("device_block_ids", device_ids, group_ids, OffloadError)
     if set(hs) != set(ds):
         raise OffloadError(
@@ -65,5 +71,5 @@ def paired(
                 f"request {request_id!r} group {g}: {len(hs[g])} block hashes but {len(ds[g])} device block ids; "
                 f"pass one device block per hashed (full) block"
             )
-        out[g] = (hs[g].tolist(), ds[g])
+        out[g] = (hs[g], ds[g])
     return out

@@ -7,7 +7,9 @@ arrays of bases and strides, computes all addresses with one broadcast, coalesce
 merges across a layer boundary (one C pass, ``plan_blocks`` in ``kvplane/_native/memcpy.c``, where the extension
 is built; numpy otherwise), and hands out the whole plan with each layer's bounds in it (``parts``; the
 engine enqueues it as one batch) or each layer's plan as views (``plans``). The plans equal what
-``block_copy_plan`` gives for the same ids (tests compare them).
+``block_copy_plan`` gives for the same ids (tests compare them). Where both sides are cross-layer (block ``i`` of
+every layer is one range on each side: vLLM's one tensor for all layers against the host pool), the planner is
+``merged``: one descriptor per block for every layer, all in the first layer's part.
 """
 
 from __future__ import annotations
@@ -17,12 +19,10 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 import numpy as np
-import numpy.typing as npt
 
+from kvplane.blocks.groups import Ids
 from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import PlanError
-
-Ids = npt.NDArray[np.int64]
 
 _native: ModuleType | None
 try:  # the same C extension as the cpu backend's memcpy; without it the numpy passes below do the work
@@ -56,6 +56,19 @@ class LayerPlanner:
             np.stack([self._src_base[:, 0], self._src_stride[:, 0], self._dst_base[:, 0], self._dst_stride[:, 0],
                       self._bytes[:, 0]]) if pairs else np.zeros((5, 0), dtype=np.int64)
         )
+        sb, ss, db, ds, nb = self._flat
+        # cross-layer on both sides (vLLM's one tensor for all layers, against the host pool's blocks): block i
+        # of every layer is one range, so one row plans them all: one descriptor per block for the whole group
+        self.merged = len(pairs) > 1 and bool(
+            (ss == ss[0]).all() and (ds == ds[0]).all()
+            and (sb[1:] == sb[:-1] + nb[:-1]).all() and (db[1:] == db[:-1] + nb[:-1]).all()
+        )
+        if self.merged:
+            self._src_base, self._src_stride = self._src_base[:1], self._src_stride[:1]
+            self._dst_base, self._dst_stride = self._dst_base[:1], self._dst_stride[:1]
+            self._bytes = np.array([[int(nb.sum())]], dtype=np.int64)
+            self._flat = np.ascontiguousarray(np.array([[sb[0]], [ss[0]], [db[0]], [ds[0]], [int(nb.sum())]]))
+            self._rows = np.array([0, 1], dtype=np.int64)
 
     def plans(self, src_ids: Ids, dst_ids: Ids) -> dict[str, CopyPlan]:
         """Every layer's plan copying block ``src_ids[i]`` into ``dst_ids[i]``, coalesced."""
@@ -67,7 +80,15 @@ class LayerPlanner:
 
     def parts(self, src_ids: Ids, dst_ids: Ids) -> tuple[CopyPlan, list[int]]:
         """All layers' descriptors as one coalesced plan, and ``bounds``: layer ``i`` (in ``self.layers``
-        order) is descriptors ``[bounds[i], bounds[i + 1])``."""
+        order) is descriptors ``[bounds[i], bounds[i + 1])``. A ``merged`` planner's plan covers every layer at
+        once: it is all in the first layer's part (the others are empty), so an event after that part is an
+        event after every layer; callers must not start it before every layer's KV is written."""
+        plan, bounds = self._parts(src_ids, dst_ids)
+        if self.merged:
+            return plan, [0] + [len(plan)] * len(self.layers)
+        return plan, bounds
+
+    def _parts(self, src_ids: Ids, dst_ids: Ids) -> tuple[CopyPlan, list[int]]:
         if src_ids.shape != dst_ids.shape:
             raise PlanError(f"{src_ids.size} source block ids but {dst_ids.size} destination ids; pass equal counts")
         n = src_ids.size
@@ -97,7 +118,7 @@ class LayerPlanner:
     def _parts_native(self, native: ModuleType, src_ids: Ids, dst_ids: Ids) -> tuple[CopyPlan, list[int]]:
         total = self._bytes.shape[0] * src_ids.size
         out = np.empty((3, total), dtype=np.int64)
-        bounds = np.empty(len(self.layers) + 1, dtype=np.int64)
+        bounds = np.empty(len(self._rows), dtype=np.int64)
         count = native.plan_blocks(self._flat[0], self._flat[1], self._flat[2], self._flat[3], self._flat[4],
                                     self._rows, src_ids, dst_ids, out[0], out[1], out[2], bounds)
         return CopyPlan(out[0, :count], out[1, :count], out[2, :count]), bounds.tolist()
