@@ -8,6 +8,7 @@ abort time (after every copy it had enqueued) completes. ``paired`` checks what 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class StoreJob:
     plans: dict[int, tuple[CopyPlan, list[int]]] = field(default_factory=dict)
     event: Event | None = None  # after the last enqueued copy, once no layer is left or on abort
     aborted: bool = False
+    started: float = field(default_factory=time.monotonic)  # the metrics' transfer latency
 
 
 @dataclass
@@ -43,6 +45,7 @@ class LoadJob:
     groups: dict[int, GroupBlocks]
     event: Event | None = None
     aborted: bool = False
+    started: float = field(default_factory=time.monotonic)  # the metrics' transfer latency
     tokens: int = 0  # leading tokens this load fills (the fewest over the groups asked for)
     error_block_ids: dict[int, list[int]] = field(default_factory=dict)
 
