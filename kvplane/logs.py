@@ -4,7 +4,8 @@
 
 - Inside vLLM, ``kvplane`` loggers take ``VLLM_LOGGING_LEVEL`` (default INFO) and write through vLLM's own
   handlers (its format and destination, ``VLLM_LOGGING_CONFIG_PATH`` included); with ``VLLM_CONFIGURE_LOGGING=0``
-  vLLM installs none and neither does kvplane.
+  vLLM installs none and neither does kvplane. Records still propagate to the root logger (vLLM leaves it
+  without handlers), so an application's or pytest's root handlers see them too.
 - Elsewhere they take ``KVPLANE_LOG_LEVEL`` when it is set (and get a stderr handler if nothing else handles
   them); unset, kvplane leaves logging to the application, as a library should.
 - ``KVPLANE_LOG_LEVEL`` set inside vLLM overrides ``VLLM_LOGGING_LEVEL`` for kvplane alone.
@@ -59,15 +60,12 @@ def configure_logging(inside_vllm: bool = False) -> None:
         return
     if inside_vllm:
         handlers = logging.getLogger("vllm").handlers
-        if handlers:  # vLLM configured its logging: write where and how it does
-            for handler in handlers:
-                logger.addHandler(handler)
-            logger.propagate = False
+        for handler in handlers:  # vLLM configured its logging: write where and how it does
+            logger.addHandler(handler)
     elif not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(FORMAT))
         logger.addHandler(handler)
-        logger.propagate = False
 
 
 def engine_logs_enabled(env: dict[str, str] | None = None) -> bool:

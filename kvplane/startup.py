@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from typing import Any
 
 from kvplane.kv.binding import LayoutChoice, layouts_by_family
@@ -58,9 +59,12 @@ def _offload(engine: Any) -> str:
 
 
 def describe(backend: Any, layouts: LayoutChoice | None, *, offload: Any = None, prefill: Any = None,
-             decode: Any = None, engine_id: str = "") -> str:
+             decode: Any = None, engine_id: str = "", families: Collection[str] | None = None) -> str:
+    """``families``: the KV families the model has (its spec's), so the line names only the layouts in use."""
     parts = [f"kvplane {engine_id}".rstrip() + f": backend={backend.label}"]
     chosen = layouts_by_family(layouts if layouts is not None else backend.layouts)
+    if families is not None:
+        chosen = {f: layout for f, layout in chosen.items() if f in families}
     parts.append("layout=" + ",".join(f"{family}:{layout.name}" for family, layout in sorted(chosen.items())))
     for role, side in (("prefill", prefill), ("decode", decode)):
         if side is not None:

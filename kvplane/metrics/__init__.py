@@ -11,6 +11,6 @@ per request, never per block. Two consumers read it:
 ``names.py`` lists every metric once; ``payload.py`` is the serialisable form that travels between processes.
 """
 
-from kvplane.metrics.recorder import Recorder, recorder
+from kvplane.metrics.record import Recorder, recorder
 
 __all__ = ["Recorder", "recorder"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvplane.errors import KvplaneError
 from kvplane.metrics.prom import PromMetrics
-from kvplane.metrics.recorder import Recorder, recorder
+from kvplane.metrics.record import Recorder, recorder
 
 PREFIX = "kvplane_"
 

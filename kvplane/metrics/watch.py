@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvplane.metrics import names
-from kvplane.metrics.recorder import STORE_TRANSPORT, Gauge, recorder
+from kvplane.metrics.record import STORE_TRANSPORT, Gauge, recorder
 
 DRAINING_ATTRIBUTE = "draining"
 

@@ -148,7 +148,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._announced and w.backend is not None:
             self._announced = True
             log_startup(w.backend, w.layouts, offload=w.offload, prefill=w.prefill, decode=w.decode,
-                        engine_id=f"{self.config.engine_id} tp_rank={w.tp_rank} dp_rank={w.dp_rank}")
+                        engine_id=f"{self.config.engine_id} tp_rank={w.tp_rank} dp_rank={w.dp_rank}",
+                        families={layer.family for layer in w.spec.layers} if w.spec is not None else None)
 
     def unregister_kv_caches(self) -> None:
         """Sleep mode (vLLM 0.33's ``gpu_worker.sleep``): the caches are about to be unmapped and vLLM has drained

@@ -1,0 +1,84 @@
+"""Log levels of kvplane's loggers inside and outside vLLM, and the transfer engines' own logs (quiet by default)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvplane.logs import configure_logging, engine_logs_enabled, kvplane_level, quiet_engine_logs
+
+
+def test_inside_vllm_kvplane_follows_vllm_logging_level_unless_kvplane_log_level_is_set() -> None:
+    assert kvplane_level(True, {}) == logging.INFO  # vLLM's own default
+    assert kvplane_level(True, {"VLLM_LOGGING_LEVEL": "debug"}) == logging.DEBUG
+    assert kvplane_level(True, {"VLLM_LOGGING_LEVEL": "DEBUG", "KVPLANE_LOG_LEVEL": "WARNING"}) == logging.WARNING
+
+
+def test_outside_vllm_only_kvplane_log_level_counts() -> None:
+    assert kvplane_level(False, {"VLLM_LOGGING_LEVEL": "DEBUG"}) is None
+    assert kvplane_level(False, {"KVPLANE_LOG_LEVEL": "error"}) == logging.ERROR
+
+
+def test_a_bad_level_names_the_variable_and_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"KVPLANE_LOG_LEVEL='loud' is not a log level; use one of DEBUG"):
+        kvplane_level(False, {"KVPLANE_LOG_LEVEL": "loud"})
+
+
+@pytest.fixture
+def clean_kvplane_logger() -> Iterator[logging.Logger]:
+    logger = logging.getLogger("kvplane")
+    saved = (logger.level, list(logger.handlers), logger.propagate)
+    logger.handlers.clear()
+    yield logger
+    logger.setLevel(saved[0])
+    logger.handlers[:] = saved[1]
+    logger.propagate = saved[2]
+
+
+def test_inside_vllm_kvplane_writes_through_vllms_handlers(clean_kvplane_logger: logging.Logger,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm_handler = logging.StreamHandler()
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [vllm_handler])
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    monkeypatch.delenv("KVPLANE_LOG_LEVEL", raising=False)
+    configure_logging(inside_vllm=True)
+    assert clean_kvplane_logger.level == logging.DEBUG
+    assert clean_kvplane_logger.handlers == [vllm_handler]
+    configure_logging(inside_vllm=True)  # a second connector in the process adds nothing
+    assert clean_kvplane_logger.handlers == [vllm_handler]
+
+
+def test_engine_logs_are_quieted_by_default_without_overriding_what_the_user_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVPLANE_ENGINE_LOGS", raising=False)
+    monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "DEBUG")
+    quiet_engine_logs()
+    assert os.environ["MC_LOG_LEVEL"] == "ERROR" and os.environ["NIXL_LOG_LEVEL"] == "DEBUG"
+    assert engine_logs_enabled({"KVPLANE_ENGINE_LOGS": "1"}) and not engine_logs_enabled({})
+
+
+MOONCAKE_ENGINE = """
+from kvplane.backend import get_backend
+from kvplane.transports.registry import get_transport_class
+get_transport_class("mooncake")(get_backend("cpu")).close()
+"""
+
+
+@pytest.mark.parametrize("switch", ["", "1"])
+def test_mooncakes_info_lines_appear_only_with_kvplane_engine_logs(switch: str) -> None:
+    pytest.importorskip("mooncake.engine", reason="needs the Mooncake transfer engine (the engines extra)")
+    env = {k: v for k, v in os.environ.items() if k not in ("MC_LOG_LEVEL", "KVPLANE_ENGINE_LOGS")}
+    if switch:
+        env["KVPLANE_ENGINE_LOGS"] = switch
+    run = subprocess.run([sys.executable, "-c", MOONCAKE_ENGINE], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    info_lines = [line for line in run.stderr.splitlines() if line.startswith("I")]  # glog: I<date> ... INFO
+    assert bool(info_lines) == bool(switch), run.stderr
