@@ -64,21 +64,25 @@ def test_engine_logs_are_quieted_by_default_without_overriding_what_the_user_set
     assert engine_logs_enabled({"KVPLANE_ENGINE_LOGS": "1"}) and not engine_logs_enabled({})
 
 
-MOONCAKE_ENGINE = """
+ENGINE = """
 from kvplane.backend import get_backend
 from kvplane.transports.registry import get_transport_class
-get_transport_class("mooncake")(get_backend("cpu")).close()
+get_transport_class({name!r})(get_backend("cpu")).close()
 """
+# what each engine prints at INFO when a transport starts: glog's "I<date>" lines (stderr), NIXL's (stdout)
+INFO_LINE = {"mooncake": lambda line: line.startswith("I"), "nixl": lambda line: " NIXL INFO " in line}
+MODULE = {"mooncake": "mooncake.engine", "nixl": "nixl_cu12"}
 
 
-@pytest.mark.parametrize("switch", ["", "1"])
-def test_mooncakes_info_lines_appear_only_with_kvplane_engine_logs(switch: str) -> None:
-    pytest.importorskip("mooncake.engine", reason="needs the Mooncake transfer engine (the engines extra)")
-    env = {k: v for k, v in os.environ.items() if k not in ("MC_LOG_LEVEL", "KVPLANE_ENGINE_LOGS")}
+@pytest.mark.parametrize("switch", ["", "1"], ids=["default", "KVPLANE_ENGINE_LOGS=1"])
+@pytest.mark.parametrize("name", ["mooncake", "nixl"])
+def test_an_engines_info_lines_appear_only_with_kvplane_engine_logs(name: str, switch: str) -> None:
+    pytest.importorskip(MODULE[name], reason=f"needs the {name} engine (the engines extra)")
+    env = {k: v for k, v in os.environ.items() if k not in ("MC_LOG_LEVEL", "NIXL_LOG_LEVEL", "KVPLANE_ENGINE_LOGS")}
     if switch:
         env["KVPLANE_ENGINE_LOGS"] = switch
-    run = subprocess.run([sys.executable, "-c", MOONCAKE_ENGINE], env=env, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", ENGINE.format(name=name)], env=env, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
-    info_lines = [line for line in run.stderr.splitlines() if line.startswith("I")]  # glog: I<date> ... INFO
-    assert bool(info_lines) == bool(switch), run.stderr
+    output = run.stdout.splitlines() + run.stderr.splitlines()
+    assert any(INFO_LINE[name](line) for line in output) == bool(switch), output
