@@ -91,7 +91,7 @@ class Recorder:
               callback: Callable[[E | None], None]) -> Callable[[E | None], None]:
         """``callback`` wrapped to record the transfer (or its failure, by the error's class) when it is called
         with ``None`` (success) or the error; the clock starts now."""
-        if not self.enabled:
+        if not self.enabled or not nbytes:  # an empty plan moves nothing: not a transfer
             return callback
         started = time.monotonic()
 

@@ -63,6 +63,8 @@ def test_a_timed_callback_records_success_by_bytes_and_failure_by_the_errors_cla
     assert nbytes == 1000 and seconds >= 0
     assert taken["counts"] == {"failures|layerwise|transfer_timeout": 1}
     assert cause_of(TransferFailed("x")) == "transfer_failed"
+    callback = seen.append
+    assert r.timed("pull", "nixl", "read", 0, callback) is callback  # an empty plan is no transfer
 
 
 def test_a_store_call_counts_the_bytes_of_the_keys_it_moved_and_each_failed_code() -> None:

@@ -366,7 +366,7 @@ class DecodeSide:
         failed = {} if state == "done" else {g: tuple(int(b) for b in ids) for g, ids in want.block_ids.items()}
         if state != "done":
             logger.warning("decode rank %d: request %s %s (%s)", self.config.rank, want.request_id, state, reason)
-        recorder().request_ended(want.mode, state)
+        recorder().request_ended(self.config.mode if want.mode == "push" else want.mode, state)  # push/layerwise
         self._out.add(Completion(want.request_id, state, failed, reason))
 
     # -- loop: time ---------------------------------------------------------------------------------------
