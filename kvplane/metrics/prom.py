@@ -32,6 +32,8 @@ class PromMetrics:
             kwargs: dict[str, Any] = {"labelnames": [*self.base_labels, *m.labels], **extra}
             if m.kind == "histogram":
                 kwargs["buckets"] = list(m.buckets)
+            if m.kind == "gauge":  # as vLLM's gauges: one value per series, not one per process, in multiprocess mode
+                kwargs["multiprocess_mode"] = "mostrecent"
             self.metrics[m.name] = classes[m.kind](name=prefix + m.name, documentation=m.help, **kwargs)
         self._gauges: dict[tuple[str, ...], dict[str, float]] = {}  # base labels -> source|name|labels -> value
 

@@ -156,6 +156,12 @@ def test_prom_metrics_observe_histograms_counters_and_per_source_gauges() -> Non
     assert registry.get_sample_value("t_requests_in_flight", {"engine": "0", "role": "decode"}) == 1
 
 
+def test_gauges_keep_the_most_recent_value_across_processes_as_vllms_own_gauges_do() -> None:
+    m = prom(CollectorRegistry())  # under PROMETHEUS_MULTIPROC_DIR the default ("all") adds a pid label per process
+    gauges = [metric for metric in names.ALL if metric.kind == "gauge"]
+    assert gauges and all(m.metrics[g.name]._multiprocess_mode == "mostrecent" for g in gauges)
+
+
 def test_docs_list_every_metric_with_its_labels() -> None:
     text = DOCS.read_text()
     for m in names.ALL:
