@@ -6,8 +6,10 @@
   handlers (its format and destination, ``VLLM_LOGGING_CONFIG_PATH`` included); with ``VLLM_CONFIGURE_LOGGING=0``
   vLLM installs none and neither does kvplane. Records still propagate to the root logger (vLLM leaves it
   without handlers), so an application's or pytest's root handlers see them too.
-- Elsewhere they take ``KVPLANE_LOG_LEVEL`` when it is set (and get a stderr handler if nothing else handles
-  them); unset, kvplane leaves logging to the application, as a library should.
+- Elsewhere they take ``KVPLANE_LOG_LEVEL`` when it is set (``import kvplane`` applies it) and get a stderr
+  handler that writes only while the root logger has none, so an application that configures logging, before or
+  after importing kvplane, sees each line once through its own handlers; unset, kvplane leaves logging to the
+  application, as a library should. The root logger is never touched.
 - ``KVPLANE_LOG_LEVEL`` set inside vLLM overrides ``VLLM_LOGGING_LEVEL`` for kvplane alone.
 
 ``quiet_engine_logs`` runs before kvplane imports a transfer engine (Mooncake TE, its Store, NIXL): Mooncake's
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TextIO
 
 LEVEL_ENV = "KVPLANE_LOG_LEVEL"
 VLLM_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
@@ -49,6 +52,15 @@ def kvplane_level(inside_vllm: bool, env: dict[str, str] | None = None) -> int |
     return None
 
 
+class FallbackHandler(logging.StreamHandler[TextIO]):
+    """kvplane's stderr handler outside vLLM: silent while the root logger has a handler (the line propagates
+    there), so configuring logging after importing kvplane does not print every line twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
 def configure_logging(inside_vllm: bool = False) -> None:
     """Apply the rules above to the ``kvplane`` logger (idempotent)."""
     logger = logging.getLogger(LOGGER)
@@ -56,16 +68,17 @@ def configure_logging(inside_vllm: bool = False) -> None:
     if level is None:
         return
     logger.setLevel(level)
-    if logger.handlers:
-        return
-    if inside_vllm:
-        handlers = logging.getLogger("vllm").handlers
-        for handler in handlers:  # vLLM configured its logging: write where and how it does
-            logger.addHandler(handler)
-    elif not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(FORMAT))
-        logger.addHandler(handler)
+    vllm_handlers = logging.getLogger("vllm").handlers if inside_vllm else []
+    if vllm_handlers:  # vLLM configured its logging: write where and how it does, and only there
+        for ours in [h for h in logger.handlers if isinstance(h, FallbackHandler)]:
+            logger.removeHandler(ours)
+        for handler in vllm_handlers:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+    elif not inside_vllm and not logger.handlers:
+        fallback = FallbackHandler()
+        fallback.setFormatter(logging.Formatter(FORMAT))
+        logger.addHandler(fallback)
 
 
 def engine_logs_enabled(env: dict[str, str] | None = None) -> bool:

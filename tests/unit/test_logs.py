@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvplane.logs import configure_logging, engine_logs_enabled, kvplane_level, quiet_engine_logs
+from kvplane.logs import FallbackHandler, configure_logging, engine_logs_enabled, kvplane_level, quiet_engine_logs
 
 
 def test_inside_vllm_kvplane_follows_vllm_logging_level_unless_kvplane_log_level_is_set() -> None:
@@ -53,6 +53,17 @@ def test_inside_vllm_kvplane_writes_through_vllms_handlers(clean_kvplane_logger:
     assert clean_kvplane_logger.handlers == [vllm_handler]
 
 
+def test_the_stderr_handler_import_added_gives_way_to_vllms_inside_vllm(clean_kvplane_logger: logging.Logger,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPLANE_LOG_LEVEL", "DEBUG")
+    configure_logging()  # what ``import kvplane`` does
+    assert [type(h) for h in clean_kvplane_logger.handlers] == [FallbackHandler]
+    vllm_handler = logging.StreamHandler()
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [vllm_handler])
+    configure_logging(inside_vllm=True)  # the connector: vLLM's handlers alone, or every line would print twice
+    assert clean_kvplane_logger.handlers == [vllm_handler]
+
+
 def test_engine_logs_are_quieted_by_default_without_overriding_what_the_user_set(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -86,3 +97,28 @@ def test_an_engines_info_lines_appear_only_with_kvplane_engine_logs(name: str, s
     assert run.returncode == 0, run.stderr
     output = run.stdout.splitlines() + run.stderr.splitlines()
     assert any(INFO_LINE[name](line) for line in output) == bool(switch), output
+
+
+EMBED = """
+import logging, sys
+root = logging.getLogger()
+before = (root.level, list(root.handlers))
+import kvplane.flows.disagg
+assert (root.level, list(root.handlers)) == before, "importing kvplane changed the root logger"
+logging.getLogger("kvplane.disagg").debug("early line")
+if sys.argv[1] == "app":  # the application configures logging after importing kvplane
+    logging.basicConfig(format="APP %(message)s")
+    logging.getLogger("kvplane.disagg").debug("late line")
+"""
+
+
+@pytest.mark.parametrize("app", ["none", "app"], ids=["no-app-logging", "app-configures-root-later"])
+def test_outside_vllm_kvplane_log_level_takes_effect_on_import_and_each_line_is_written_once(app: str) -> None:
+    env = {**os.environ, "KVPLANE_LOG_LEVEL": "DEBUG"}
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    run = subprocess.run([sys.executable, "-c", EMBED, app], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.splitlines()
+    assert sum("early line" in line for line in lines) == 1, lines
+    if app == "app":
+        assert [line for line in lines if "late line" in line] == ["APP late line"]  # the app's handler, once
