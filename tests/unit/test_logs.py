@@ -10,7 +10,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvplane.logs import FallbackHandler, configure_logging, engine_logs_enabled, kvplane_level, quiet_engine_logs
+from kvplane.logs import (
+    FallbackHandler,
+    configure_logging,
+    engine_logs_enabled,
+    kvplane_level,
+    quiet_engine_logs,
+)
 
 
 def test_inside_vllm_kvplane_follows_vllm_logging_level_unless_kvplane_log_level_is_set() -> None:
