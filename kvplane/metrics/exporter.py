@@ -47,9 +47,14 @@ class MetricsServer:
         self.registry.register(_TakeOnCollect(self))
         self.metrics = PromMetrics({Counter: Counter, Gauge: Gauge, Histogram: Histogram}, PREFIX,
                                    registry=self.registry)
-        self.recorder.enable()
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise KvplaneError(
+                f"MetricsServer cannot listen on {host}:{port} ({e}); pass a free port, or port=0 for any"
+            ) from e
         self.host, self.port = host, int(self._server.server_port)
+        self.recorder.enable()  # only once the server is up: nothing is recorded for a consumer that never was
 
     @property
     def url(self) -> str:
@@ -61,9 +66,11 @@ class MetricsServer:
             self.metrics.observe(self.recorder.take())
 
     def close(self) -> None:
+        """Stop serving (the port is free again, the thread ended) and stop recording: nobody takes it any more."""
+        self.recorder.disable()
         self._server.shutdown()
         self._server.server_close()
-        self._thread.join(5)
+        self.thread.join()
 
     def __enter__(self) -> MetricsServer:
         return self

@@ -47,6 +47,12 @@ class Recorder:
     def enable(self) -> None:
         self.enabled = True
 
+    def disable(self) -> None:
+        """Record nothing from now on, and drop what no consumer took (totals and watched objects stay)."""
+        with self._lock:
+            self.enabled = False
+            self._counts, self._transfers = {}, {}
+
     # -- recording (any thread) ---------------------------------------------------------------------------
     def transfer(self, flow: str, transport: str, direction: str, nbytes: int, seconds: float) -> None:
         """One completed transfer of ``nbytes`` that took ``seconds`` (submit to seen complete)."""

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import gc
 import re
+import socket
+import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvplane.errors import TransferFailed, TransferTimeout
+from kvplane.errors import KvplaneError, TransferFailed, TransferTimeout
 from kvplane.metrics import names, payload, record
+from kvplane.metrics.exporter import MetricsServer
 from kvplane.metrics.prom import PromMetrics
 from kvplane.metrics.record import Recorder, cause_of
 
@@ -169,3 +172,30 @@ def test_docs_list_every_metric_with_its_labels() -> None:
         row = re.search(rf"^\| `kvplane_{exposed}` \|([^\n]*)$", text, re.MULTILINE)
         assert row, f"docs/metrics.md has no row for kvplane_{exposed}"
         assert all(f"`{label}`" in row.group(1) for label in m.labels), f"{exposed}: labels {m.labels} not all listed"
+
+
+def test_a_metrics_server_on_a_taken_port_names_the_address_and_leaves_recording_off() -> None:
+    r = Recorder()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(KvplaneError, match=rf"127\.0\.0\.1:{port}.*port=0"):
+            MetricsServer(port=port, source=r)
+    assert not r.enabled  # nobody will take what it would record
+
+
+def test_closing_a_metrics_server_stops_its_thread_frees_its_port_and_stops_recording() -> None:
+    r = Recorder()
+    server = MetricsServer(source=r)
+    r.transfer("pull", "nixl", "read", 4096, 0.01)
+    with urllib.request.urlopen(server.url, timeout=10) as response:
+        assert 'kvplane_transfer_bytes_sum{direction="read",flow="pull",transport="nixl"} 4096.0' in response.read().decode()
+    server.close()
+    server.close()  # twice is harmless
+    assert not server.thread.is_alive() and not r.enabled
+    r.transfer("pull", "nixl", "read", 4096, 0.01)
+    assert r.take()["transfers"] == {}  # off: nothing piles up for a consumer that is gone
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a scrape's TIME_WAIT, not a listener
+        again.bind(("127.0.0.1", server.port))
