@@ -4,8 +4,8 @@
 
 - Inside vLLM, ``kvplane`` loggers take ``VLLM_LOGGING_LEVEL`` (default INFO) and write through vLLM's own
   handlers (its format and destination, ``VLLM_LOGGING_CONFIG_PATH`` included); with ``VLLM_CONFIGURE_LOGGING=0``
-  vLLM installs none and neither does kvplane. Records still propagate to the root logger (vLLM leaves it
-  without handlers), so an application's or pytest's root handlers see them too.
+  vLLM installs none and kvplane writes nothing itself. Records still propagate to the root logger: where an
+  application (or pytest) gave the root logger handlers, lines are written there instead, so never twice.
 - Elsewhere they take ``KVPLANE_LOG_LEVEL`` when it is set (``import kvplane`` applies it) and get a stderr
   handler that writes only while the root logger has none, so an application that configures logging, before or
   after importing kvplane, sees each line once through its own handlers; unset, kvplane leaves logging to the
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TextIO
 
 LEVEL_ENV = "KVPLANE_LOG_LEVEL"
 VLLM_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
@@ -52,33 +51,39 @@ def kvplane_level(inside_vllm: bool, env: dict[str, str] | None = None) -> int |
     return None
 
 
-class FallbackHandler(logging.StreamHandler[TextIO]):
-    """kvplane's stderr handler outside vLLM: silent while the root logger has a handler (the line propagates
-    there), so configuring logging after importing kvplane does not print every line twice."""
+class KvplaneHandler(logging.Handler):
+    """The one handler kvplane adds (to the ``kvplane`` logger): it writes through vLLM's handlers (inside vLLM) or
+    its own stderr handler, and only while the root logger has none. When an application configured the root
+    logger, before or after kvplane, the record reaches it by propagation instead: each line is written once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside_vllm = False
+        self.stderr = logging.StreamHandler()
+        self.stderr.setFormatter(logging.Formatter(FORMAT))
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not logging.getLogger().handlers:
-            super().emit(record)
+        if logging.getLogger().handlers:
+            return
+        targets = logging.getLogger("vllm").handlers if self.inside_vllm else [self.stderr]
+        for target in targets:  # vLLM's, read now (VLLM_CONFIGURE_LOGGING=0 leaves none); the kvplane logger's
+            target.handle(record)  # level already decided, not the handler's: KVPLANE_LOG_LEVEL=DEBUG shows DEBUG
 
 
 def configure_logging(inside_vllm: bool = False) -> None:
-    """Apply the rules above to the ``kvplane`` logger (idempotent)."""
+    """Apply the rules above to the ``kvplane`` logger (idempotent; never touches the root logger)."""
     logger = logging.getLogger(LOGGER)
     level = kvplane_level(inside_vllm)
     if level is None:
         return
     logger.setLevel(level)
-    vllm_handlers = logging.getLogger("vllm").handlers if inside_vllm else []
-    if vllm_handlers:  # vLLM configured its logging: write where and how it does, and only there
-        for ours in [h for h in logger.handlers if isinstance(h, FallbackHandler)]:
-            logger.removeHandler(ours)
-        for handler in vllm_handlers:
-            if handler not in logger.handlers:
-                logger.addHandler(handler)
-    elif not inside_vllm and not logger.handlers:
-        fallback = FallbackHandler()
-        fallback.setFormatter(logging.Formatter(FORMAT))
-        logger.addHandler(fallback)
+    ours = next((h for h in logger.handlers if isinstance(h, KvplaneHandler)), None)
+    if ours is None:
+        if logger.handlers and not inside_vllm:  # the application gave kvplane's logger handlers of its own
+            return
+        ours = KvplaneHandler()
+        logger.addHandler(ours)
+    ours.inside_vllm = ours.inside_vllm or inside_vllm
 
 
 def engine_logs_enabled(env: dict[str, str] | None = None) -> bool:

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import pytest
 
 from kvplane.logs import (
-    FallbackHandler,
     configure_logging,
     engine_logs_enabled,
     kvplane_level,
@@ -46,28 +45,57 @@ def clean_kvplane_logger() -> Iterator[logging.Logger]:
     logger.propagate = saved[2]
 
 
-def test_inside_vllm_kvplane_writes_through_vllms_handlers(clean_kvplane_logger: logging.Logger,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    vllm_handler = logging.StreamHandler()
-    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [vllm_handler])
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_inside_vllm_kvplane_writes_each_line_once_through_vllms_handlers_or_the_applications(
+    clean_kvplane_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    vllm, app = Collect(), Collect()
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [vllm])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # vllm serve: vLLM leaves the root logger alone
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     monkeypatch.delenv("KVPLANE_LOG_LEVEL", raising=False)
     configure_logging(inside_vllm=True)
-    assert clean_kvplane_logger.level == logging.DEBUG
-    assert clean_kvplane_logger.handlers == [vllm_handler]
     configure_logging(inside_vllm=True)  # a second connector in the process adds nothing
-    assert clean_kvplane_logger.handlers == [vllm_handler]
+    log = logging.getLogger("kvplane.disagg")
+    log.debug("served")
+    assert clean_kvplane_logger.level == logging.DEBUG and vllm.lines == ["served"]
+    logging.getLogger().addHandler(app)  # an application embedding vLLM configured logging (basicConfig)
+    log.info("embedded")
+    assert vllm.lines == ["served"] and app.lines == ["embedded"]  # once, not through both
+
+
+def test_kvplane_log_level_debug_inside_vllm_writes_debug_lines_through_vllms_info_handler(
+    clean_kvplane_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    vllm = Collect()
+    vllm.setLevel(logging.INFO)  # vLLM's handler carries VLLM_LOGGING_LEVEL
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [vllm])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    monkeypatch.setenv("KVPLANE_LOG_LEVEL", "DEBUG")
+    configure_logging(inside_vllm=True)
+    logging.getLogger("kvplane.disagg").debug("detail")
+    assert vllm.lines == ["detail"]  # KVPLANE_LOG_LEVEL overrides VLLM_LOGGING_LEVEL for kvplane alone
 
 
 def test_the_stderr_handler_import_added_gives_way_to_vllms_inside_vllm(clean_kvplane_logger: logging.Logger,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPLANE_LOG_LEVEL", "DEBUG")
     configure_logging()  # what ``import kvplane`` does
-    assert [type(h) for h in clean_kvplane_logger.handlers] == [FallbackHandler]
-    vllm_handler = logging.StreamHandler()
-    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [vllm_handler])
-    configure_logging(inside_vllm=True)  # the connector: vLLM's handlers alone, or every line would print twice
-    assert clean_kvplane_logger.handlers == [vllm_handler]
+    vllm = Collect()
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [vllm])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    configure_logging(inside_vllm=True)  # the connector
+    logging.getLogger("kvplane.disagg").info("line")
+    assert vllm.lines == ["line"] and len(clean_kvplane_logger.handlers) == 1
 
 
 def test_engine_logs_are_quieted_by_default_without_overriding_what_the_user_set(
