@@ -5,9 +5,9 @@ recorder keeps a weak reference and calls the readers here when a consumer takes
 thread. They read counts the flows already publish for other threads (``transfers_in_flight``,
 ``held_requests``/``pending_requests``, the host index's free list), so nothing is added to a hot path.
 
-Draining requests: a side whose published state (``side._out``) carries a ``draining`` count (requests that
-ended but wait for transfers into their blocks to drain) is reported as ``requests_draining``; a side without
-it reports nothing for that gauge. ``DRAINING_ATTRIBUTE`` is that hook's name.
+Draining requests: a side with a ``draining_requests()`` method (requests that ended but wait for transfers into
+their blocks to drain; the decode side's, from issue 18) is reported as ``requests_draining``; a side without it
+reports nothing for that gauge.
 """
 
 from __future__ import annotations
@@ -19,17 +19,15 @@ from typing import Any
 from kvplane.metrics import names
 from kvplane.metrics.record import STORE_TRANSPORT, Gauge, recorder
 
-DRAINING_ATTRIBUTE = "draining"
-
 
 def side_gauges(role: str) -> Any:
     def read(side: Any) -> Iterator[Gauge]:
         yield names.TRANSFERS_IN_FLIGHT.name, (role,), side.transfers_in_flight()
         requests = side.held_requests() if role == "prefill" else side.pending_requests()
         yield names.REQUESTS_IN_FLIGHT.name, (role,), requests
-        draining = getattr(getattr(side, "_out", None), DRAINING_ATTRIBUTE, None)
-        if isinstance(draining, (int, float)):
-            yield names.REQUESTS_DRAINING.name, (role,), draining
+        draining = getattr(side, "draining_requests", None)
+        if callable(draining):
+            yield names.REQUESTS_DRAINING.name, (role,), draining()
 
     return read
 

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvplane.errors import KvplaneError, TransferFailed, TransferTimeout
-from kvplane.metrics import names, payload, record
+from kvplane.metrics import names, payload, record, watch
 from kvplane.metrics.exporter import MetricsServer
 from kvplane.metrics.prom import PromMetrics
 from kvplane.metrics.record import Recorder, cause_of
@@ -199,3 +199,22 @@ def test_closing_a_metrics_server_stops_its_thread_frees_its_port_and_stops_reco
     with socket.socket() as again:
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a scrape's TIME_WAIT, not a listener
         again.bind(("127.0.0.1", server.port))
+
+
+class DrainingSide(Side):
+    def pending_requests(self) -> int:
+        return 3
+
+    def draining_requests(self) -> int:  # the decode side's public count (issue 18's fence)
+        return 1
+
+
+def test_a_side_that_counts_draining_requests_reports_them_and_one_that_does_not_reports_none() -> None:
+    r = enabled()
+    with_count, without = DrainingSide(0), Side(0)
+    without.pending_requests = lambda: 2  # type: ignore[attr-defined]
+    r.watch(with_count, watch.side_gauges("decode"))
+    assert r.take()["gauges"]["w0|requests_draining|decode"] == 1.0
+    r2 = enabled()
+    r2.watch(without, watch.side_gauges("decode"))
+    assert not any("requests_draining" in k for k in r2.take()["gauges"])
