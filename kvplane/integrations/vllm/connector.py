@@ -143,7 +143,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         self._announce()
 
     def _announce(self) -> None:
-        """The startup INFO line (``kvplane.startup``), once the flows are up."""
+        """The startup INFO line (``kvplane.startup.log_startup``, on the ``kvplane`` logger), once the flows are up."""
         w = self.worker
         if not self._announced and w.backend is not None:
             self._announced = True
