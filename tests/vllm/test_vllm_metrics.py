@@ -106,7 +106,7 @@ def test_a_pull_between_two_engines_shows_its_bytes_under_vllms_engine_labels(mo
     params = prefill.finish("p").kv_transfer_params
     decode.add("d", PROMPT, params)
     decode.finish("d")
-    prefill.drain(within_s=5.0)
+    prefill.drain()  # the default bound: a loaded 2-core machine may need more than a few seconds
     decode.drain()
     prom = PrometheusStatLogger(decode.config, engine_indexes=[0, 1])
     record(prom, prefill, 0)
