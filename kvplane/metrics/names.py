@@ -51,10 +51,12 @@ TRANSFERS_IN_FLIGHT = Metric("transfers_in_flight", "gauge", ("role",),
                              "P/D transfer plans queued for or moving through the transport.")
 REQUESTS_DRAINING = Metric("requests_draining", "gauge", ("role",),
                            "P/D requests that ended but wait for transfers into their blocks to drain.")
+DROPPED_OBSERVATIONS = Metric("dropped_observations", "counter", (),
+                              "Transfers left out of the histograms: more than MAX_OBSERVATIONS waited for a consumer.")
 CONNECTOR_EVENTS = Metric("connector_events", "counter", ("event",),
                           "vLLM connector events: loads, stores, receives, sends, failed_receives, load_error_blocks.")
 
 ALL: tuple[Metric, ...] = (
     TRANSFER_BYTES, TRANSFER_SECONDS, FAILURES, LEASES_EXPIRED, OFFLOAD_QUERIED, OFFLOAD_HIT, TIER_USED,
-    TIER_CAPACITY, REQUESTS_IN_FLIGHT, TRANSFERS_IN_FLIGHT, REQUESTS_DRAINING, CONNECTOR_EVENTS,
+    TIER_CAPACITY, REQUESTS_IN_FLIGHT, TRANSFERS_IN_FLIGHT, REQUESTS_DRAINING, DROPPED_OBSERVATIONS, CONNECTOR_EVENTS,
 )

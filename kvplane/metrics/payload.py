@@ -88,6 +88,8 @@ def reduce(payload: Payload) -> dict[str, int | float]:
             out[f"{flow} failures ({cause})"] = n
     if counts.get("leases_expired"):
         out["leases expired"] = counts["leases_expired"]
+    if counts.get("dropped_observations"):
+        out["dropped observations"] = counts["dropped_observations"]
     queried = counts.get("offload_queried_tokens", 0)
     if queried:
         out["offload hit rate"] = round(counts.get("offload_hit_tokens", 0) / queried, 4)

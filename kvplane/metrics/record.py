@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from kvplane.metrics import payload
-from kvplane.metrics.names import FAILURES, LEASES_EXPIRED, OFFLOAD_HIT, OFFLOAD_QUERIED
+from kvplane.metrics.names import DROPPED_OBSERVATIONS, FAILURES, LEASES_EXPIRED, OFFLOAD_HIT, OFFLOAD_QUERIED
 
 E = TypeVar("E", bound=BaseException)
 Gauge = tuple[str, tuple[str, ...], float]  # metric name, label values, value
@@ -65,7 +65,7 @@ class Recorder:
             if len(observations) < MAX_OBSERVATIONS:
                 observations.append([int(nbytes), float(seconds)])
             else:
-                self._add("dropped_observations", 1)
+                self._add(DROPPED_OBSERVATIONS.name, 1)
 
     def count(self, name: str, *labels: str, n: int = 1) -> None:
         if self.enabled and n:

@@ -218,3 +218,10 @@ def test_a_side_that_counts_draining_requests_reports_them_and_one_that_does_not
     r2 = enabled()
     r2.watch(without, watch.side_gauges("decode"))
     assert not any("requests_draining" in k for k in r2.take()["gauges"])
+
+
+def test_observations_dropped_for_want_of_a_consumer_show_in_prometheus_and_the_log_line() -> None:
+    registry = CollectorRegistry()
+    prom(registry).observe({"counts": {"dropped_observations": 3}}, ["0"])
+    assert registry.get_sample_value("t_dropped_observations_total", {"engine": "0"}) == 3  # the histograms undercount
+    assert payload.reduce({"counts": {"dropped_observations": 3}}) == {"dropped observations": 3}
