@@ -40,12 +40,20 @@ def _side(role: str, side: Any) -> str:
     auth = "on" if (c.curve_secret_key or os.environ.get(SECRET_ENV)) else "off"
     port = getattr(side, "port", None)
     where = f"{c.host}:{port}" if port else f"{c.host} (connects out)"
-    try:
-        engine = side.local.transport.peer_info().name
-    except Exception:  # a transport that cannot say: the line still goes out
-        engine = "?"
     return (f"{role} mode={c.mode} rank={c.rank}/{c.tp_size} transport={side.local.transport.name} "
-            f"protocol={_protocol(side)} side_channel={where} engine_address={engine} auth={auth}")
+            f"protocol={_protocol(side)} side_channel={where} {_engine(side.local.transport)} auth={auth}")
+
+
+def _engine(transport: Any) -> str:
+    """Where peers reach the transfer engine: Mooncake TE's ``host:rpc_port`` (a port to open); NIXL's agent name
+    (UCX picks its own ports, so there is no address to give)."""
+    try:
+        info = transport.peer_info()
+    except Exception:  # a transport that cannot say: the line still goes out
+        return "engine_address=?"
+    if transport.name == "nixl":
+        return f"nixl_agent={info.name}"
+    return f"engine_address={info.name}"
 
 
 def _offload(engine: Any) -> str:

@@ -21,6 +21,7 @@ from kvplane.flows.offload import MooncakeMaster, StoreConfig, start_master
 from kvplane.flows.offload.store import StoreTier
 from kvplane.metrics import recorder
 from kvplane.metrics.exporter import MetricsServer
+from kvplane.startup import describe
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
@@ -138,3 +139,18 @@ def test_offload_and_store_tiers_show_bytes_hit_rate_and_occupancy(server: Metri
         assert value(s, "kvplane_tier_capacity_bytes", tier="store") == 32 * MiB
     finally:
         h.engine.close()
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_the_startup_line_gives_each_transports_own_address_or_agent(engine: str) -> None:
+    prefill = make("prefill", pd_spec(), engine=engine)
+    try:
+        line = describe(prefill.side.backend, None, prefill=prefill.side, engine_id="p")
+        info = prefill.side.local.transport.peer_info()
+        if engine == "mooncake":  # Mooncake TE's RPC port: a firewall must open it
+            assert f"engine_address={info.host}:{info.port or info.name.rsplit(':', 1)[1]}" in line, line
+        else:  # UCX picks its own ports: the line names the agent, and says so, never an agent name as an address
+            assert f"nixl_agent={info.name}" in line and "engine_address" not in line, line
+        assert f"side_channel=127.0.0.1:{prefill.side.port}" in line and "auth=off" in line, line
+    finally:
+        prefill.close()
