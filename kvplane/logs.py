@@ -4,8 +4,9 @@
 
 - Inside vLLM, ``kvplane`` loggers take ``VLLM_LOGGING_LEVEL`` (default INFO) and write through vLLM's own
   handlers (its format and destination, ``VLLM_LOGGING_CONFIG_PATH`` included); with ``VLLM_CONFIGURE_LOGGING=0``
-  vLLM installs none and kvplane writes nothing itself. Records still propagate to the root logger: where an
-  application (or pytest) gave the root logger handlers, lines are written there instead, so never twice.
+  vLLM installs none and kvplane writes to stderr while nothing else handles its lines. Records still propagate
+  to the root logger: where an application (or pytest) gave it handlers, lines are written there instead, so
+  never twice.
 - Elsewhere they take ``KVPLANE_LOG_LEVEL`` when it is set (``import kvplane`` applies it) and get a stderr
   handler that writes only while the root logger has none, so an application that configures logging, before or
   after importing kvplane, sees each line once through its own handlers; unset, kvplane leaves logging to the
@@ -65,9 +66,10 @@ class KvplaneHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if logging.getLogger().handlers:
             return
-        targets = logging.getLogger("vllm").handlers if self.inside_vllm else [self.stderr]
-        for target in targets:  # vLLM's, read now (VLLM_CONFIGURE_LOGGING=0 leaves none); the kvplane logger's
-            target.handle(record)  # level already decided, not the handler's: KVPLANE_LOG_LEVEL=DEBUG shows DEBUG
+        # vLLM's, read now (VLLM_CONFIGURE_LOGGING=0 leaves none: then stderr, or nothing would show at all)
+        targets = (logging.getLogger("vllm").handlers if self.inside_vllm else []) or [self.stderr]
+        for target in targets:  # the kvplane logger's level already decided, not the handler's:
+            target.handle(record)  # KVPLANE_LOG_LEVEL=DEBUG inside vLLM shows DEBUG lines
 
 
 def configure_logging(inside_vllm: bool = False) -> None:

@@ -86,6 +86,20 @@ def test_kvplane_log_level_debug_inside_vllm_writes_debug_lines_through_vllms_in
     assert vllm.lines == ["detail"]  # KVPLANE_LOG_LEVEL overrides VLLM_LOGGING_LEVEL for kvplane alone
 
 
+def test_with_vllm_configure_logging_0_and_no_root_handler_kvplane_lines_still_reach_stderr(
+    clean_kvplane_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [])  # VLLM_CONFIGURE_LOGGING=0
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.delenv("KVPLANE_LOG_LEVEL", raising=False)
+    configure_logging(inside_vllm=True)
+    [ours] = clean_kvplane_logger.handlers
+    seen = Collect()
+    monkeypatch.setattr(ours, "stderr", seen)
+    logging.getLogger("kvplane.disagg").warning("peer gone")
+    assert seen.lines == ["peer gone"]  # our handler hides Python's last-resort one: it must write itself
+
+
 def test_the_stderr_handler_import_added_gives_way_to_vllms_inside_vllm(clean_kvplane_logger: logging.Logger,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPLANE_LOG_LEVEL", "DEBUG")
