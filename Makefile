@@ -13,7 +13,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.kvplane-installed
 TORCH  ?= torch==2.13.0
-EXTRAS ?= test,bench,engines,vllm
+EXTRAS ?= test,bench,engines,vllm,metrics
 VLLM   ?= vllm==0.27.1 xgrammar>=0.2.1,<1.0
 VLLM2  ?= vllm==0.33.0 xgrammar==0.2.8 oss-harmony>=0.0.11
 VENV2  ?= .venv-vllm2

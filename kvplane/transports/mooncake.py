@@ -27,6 +27,7 @@ from typing import Any
 from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import PeerUnreachable, PlanError, TransportError, TransportUnavailable
+from kvplane.logs import quiet_engine_logs
 from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
 from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
 from kvplane.transports.mooncake_transfer import MooncakeTransfer
@@ -39,6 +40,7 @@ TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"  # Mooncake's own bound on a blocking status
 
 
 def _import_engine() -> Any:
+    quiet_engine_logs()
     try:
         import mooncake.engine as engine
     except Exception as e:  # ImportError, or OSError for a missing libibverbs / libcudart

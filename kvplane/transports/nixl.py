@@ -22,6 +22,7 @@ from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import PeerUnreachable, TransportError, TransportUnavailable
 from kvplane.hosts import is_loopback
+from kvplane.logs import quiet_engine_logs
 from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
 from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
 from kvplane.transports.nixl_transfer import NixlTransfer
@@ -32,6 +33,7 @@ LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}  # same-host peers: UCX on lo moves dat
 
 
 def _import_nixl() -> tuple[Any, str]:
+    quiet_engine_logs()
     failures = []
     for module in MODULES:
         try:

@@ -59,6 +59,8 @@ from kvplane.flows.disagg.results import Completion, State
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
+from kvplane.metrics import recorder
+from kvplane.metrics.watch import watch_side
 
 logger = logging.getLogger("kvplane.disagg")
 
@@ -91,6 +93,7 @@ class DecodeSide:
         self._starter = Starter(self)
         self._prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
         self._loop.start()
+        watch_side(self, "decode")
 
     # -- engine-facing ------------------------------------------------------------------------------------
     def start_pull(
@@ -363,6 +366,7 @@ class DecodeSide:
         failed = {} if state == "done" else {g: tuple(int(b) for b in ids) for g, ids in want.block_ids.items()}
         if state != "done":
             logger.warning("decode rank %d: request %s %s (%s)", self.config.rank, want.request_id, state, reason)
+        recorder().request_ended(self.config.mode if want.mode == "push" else want.mode, state)  # push/layerwise
         self._out.add(Completion(want.request_id, state, failed, reason))
 
     # -- loop: time ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.outbox import Callback, Outbox
+from kvplane.metrics import recorder
 from kvplane.transports.base import Op, Transport
 
 logger = logging.getLogger("kvplane.disagg")
@@ -26,7 +27,8 @@ POLL_S = 0.0005  # how often transfers in flight are polled; a new plan wakes th
 
 class Mover:
     def __init__(self, name: str, transport: Transport, op: Op, max_inflight: int,
-                 deliver: Callable[[Callable[[], None]], object]) -> None:
+                 deliver: Callable[[Callable[[], None]], object], flow: str = "") -> None:
+        self.flow = flow or ("pull" if op == "READ" else "push")  # the metrics' flow label
         self._outbox = Outbox(transport, op, max_inflight)
         self._deliver = deliver
         self._inbox: deque[tuple[str, CopyPlan, Callback]] = deque()
@@ -39,6 +41,8 @@ class Mover:
     def put(self, peer: str, plan: CopyPlan, callback: Callback) -> None:
         """Move ``plan`` to or from ``peer``; ``callback(error or None)`` runs on the loop once it ended."""
         self.moving += 1
+        callback = recorder().timed(self.flow, self._outbox.transport.name, self._outbox.op.lower(), plan.total_bytes,
+                                    callback)
 
         def ended(error: KvplaneError | None) -> None:  # on this mover's thread
             def on_loop() -> None:

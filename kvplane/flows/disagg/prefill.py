@@ -61,6 +61,7 @@ from kvplane.flows.disagg.tokens import request_token, same_token
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
+from kvplane.metrics.watch import watch_side
 
 logger = logging.getLogger("kvplane.disagg")
 
@@ -96,13 +97,14 @@ class PrefillSide:
         self._socket, self.port = channel.router(self._loop.context, config.host, config.rank_port(),
                                                  config.max_message_bytes, self._guard.server)
         self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
-                            config.max_inflight, self._loop.submit)
+                            config.max_inflight, self._loop.submit, flow=config.mode)
         self._pusher = Pusher(self.local, self._mover, self._settle)
         self._settler = Settler(self)
         prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
         self._admission = Admission(self.local, prober, self._reply, self._forget_peer, self._limit)
         self._loop.watch(self._socket, self._on_readable)
         self._loop.start()
+        watch_side(self, "prefill")
 
     @property
     def base_port(self) -> int:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from kvplane.flows.disagg.messages import PushResult
 from kvplane.flows.disagg.records import Held
 from kvplane.flows.disagg.results import Completion, State
+from kvplane.metrics import recorder
 
 if TYPE_CHECKING:
     from kvplane.flows.disagg.prefill import PrefillSide
@@ -65,10 +66,12 @@ class Settler:
         if state != "done":
             side._limit.warn(logger, "prefill rank %d: request %s %s%s", side.config.rank, held.request_id, state,
                              f" ({reason})" if reason else "")
+        recorder().request_ended(side.config.mode, state)
         side._out.add(Completion(held.request_id, state, reason=reason))
 
     def expire(self, held: Held) -> None:
         side = self.side
+        recorder().lease_expired()
         if not held.known:  # word of a request that never came here: nothing of the engine's is held
             del side._held[held.request_id]
             side._out.registered.discard(held.request_id)

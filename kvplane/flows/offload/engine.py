@@ -39,6 +39,8 @@ from kvplane.flows.offload.store import StoreTier
 from kvplane.kv.binding import LayoutChoice, regions_from_tensors
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
+from kvplane.metrics import recorder
+from kvplane.metrics.watch import record_offload, watch_offload
 
 LoadRequest = tuple[str, PerGroup, PerGroup]  # (request id, block hashes, device block ids)
 
@@ -77,6 +79,7 @@ class OffloadEngine:
             store_tier = StoreTier(config.store)
         if store_tier is not None:
             self.store = StoreLink(store_tier, self.index, self.pool, self.fingerprint)
+        watch_offload(self)
         self._open: dict[str, StoreJob] = {}  # some layers not yet enqueued
         self._saving: dict[str, StoreJob] = {}  # every copy enqueued (or aborted): waiting for the event
         self._loading: dict[str, LoadJob] = {}
@@ -91,10 +94,13 @@ class OffloadEngine:
     def lookup(self, block_hashes: PerGroup) -> int:
         """Leading tokens available in the host tier, then the store: the fewest over the model's groups."""
         tokens: int | None = None
+        queried = 0
         for g, hashes in per_group("block_hashes", block_hashes, self._group_ids, OffloadError).items():
             runs = self._runs(g, hashes.tolist())
             t = sum(count for _, count in runs) * self._tokens_per_block[g]
             tokens = t if tokens is None else min(tokens, t)
+            queried = max(queried, len(hashes) * self._tokens_per_block[g])
+        recorder().lookup(queried, tokens or 0)
         return tokens or 0
 
     def _runs(self, group: int, hashes: list[int]) -> list[tuple[bool, int]]:
@@ -311,6 +317,7 @@ class OffloadEngine:
         for rid, load in list(self._loading.items()):
             if load.event is None or load.event.query():
                 del self._loading[rid]
+                record_offload(self, load, "read")
                 for g, blocks in load.groups.items():
                     self.index.release(g, blocks.host_ids)
                 self._loaded.add(rid)
@@ -318,6 +325,7 @@ class OffloadEngine:
             self.store.poll()
 
     def _finish_store(self, job: StoreJob) -> None:
+        record_offload(self, job, "write")
         for g, blocks in job.groups.items():
             if job.aborted:
                 self.index.release(g, blocks.host_ids)

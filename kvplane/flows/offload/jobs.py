@@ -8,6 +8,7 @@ abort time (after every copy it had enqueued) completes. ``paired`` checks what 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ class StoreJob:
     aborted: bool = False
     # groups whose plan covers every layer at once (cross-layer caches): layers of each still to be saved
     merged_left: dict[int, int] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)  # the metrics' transfer latency
 
 
 @dataclass
@@ -45,6 +47,7 @@ class LoadJob:
     groups: dict[int, GroupBlocks]
     event: Event | None = None
     aborted: bool = False
+    started: float = field(default_factory=time.monotonic)  # the metrics' transfer latency
     tokens: int = 0  # leading tokens this load fills (the fewest over the groups asked for)
     error_block_ids: dict[int, list[int]] = field(default_factory=dict)
 

@@ -30,6 +30,8 @@ from typing import Any, TypeVar
 
 from kvplane.flows.offload.config import StoreConfig
 from kvplane.flows.offload.errors import StoreError
+from kvplane.logs import quiet_engine_logs
+from kvplane.metrics import recorder
 
 logger = logging.getLogger("kvplane.offload.store")
 
@@ -91,6 +93,7 @@ class StoreWrite:
 
 
 def _load_client_class() -> Any:
+    quiet_engine_logs()
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
@@ -247,7 +250,8 @@ class StoreTier:
         if not keys or not self.up:
             return None
         k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
-        return self._io.submit(lambda: [int(rc) for rc in self._client.batch_put_from(k, a, s)])
+        put = partial(self._client.batch_put_from, k, a, s)
+        return self._io.submit(recorder().store_call("write", s, lambda: [int(rc) for rc in put()]))
 
     def put_deadline(self, nbytes: int) -> float:
         return time.monotonic() + self._bound(nbytes)
@@ -281,7 +285,8 @@ class StoreTier:
         if not keys or not self.up:
             return [False] * len(keys), None
         k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
-        future = self._io.submit(lambda: [int(rc) for rc in self._client.batch_get_into(k, a, s)])
+        get = partial(self._client.batch_get_into, k, a, s)
+        future = self._io.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]))
         got = self._wait(future, "batch_get_into", sum(s))
         if got is None:
             return [False] * len(keys), future

@@ -24,8 +24,10 @@ from kvplane.integrations.vllm.compat import (
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.metadata import KVPlaneMetadata, KVPlaneWorkerMeta
 from kvplane.integrations.vllm.scheduler import SchedulerSide
-from kvplane.integrations.vllm.stats import KVPlaneStats
+from kvplane.integrations.vllm.stats import KVPlanePromMetrics, KVPlaneStats, WorkerStats
 from kvplane.integrations.vllm.worker import WorkerSide
+from kvplane.logs import configure_logging
+from kvplane.startup import log_startup
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +80,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        configure_logging(inside_vllm=True)
         transfer = vllm_config.kv_transfer_config
         parallel = vllm_config.parallel_config
         dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
@@ -90,12 +93,15 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._restore: Callable[[], None] | None = None  # the registration to repeat after sleep mode
         self._registered = False
+        self._announced = False  # the startup line, once
+        self._stats: WorkerStats | None = None
         if role == KVConnectorRole.SCHEDULER:
             sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
             self._scheduler = SchedulerSide(self.config, sizes, int(vllm_config.cache_config.block_size), dp_rank)
         else:
             self._worker = WorkerSide(self.config, kv_cache_config, tp_rank=_tp_rank(), dp_rank=dp_rank,
                                       kv_lora_rank=_kv_lora_rank(vllm_config))
+            self._stats = WorkerStats()
 
     @property
     def scheduler(self) -> SchedulerSide:
@@ -128,11 +134,22 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._restore = lambda: self.register_kv_caches(kv_caches)
         self._registered = True
+        self._announce()
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
         self.worker.register_cross_layers_kv_cache(kv_cache, attn_backend, _cache_dtype(self._vllm_config))
         self._restore = lambda: self.register_cross_layers_kv_cache(kv_cache, attn_backend)
         self._registered = True
+        self._announce()
+
+    def _announce(self) -> None:
+        """The startup INFO line (``kvplane.startup.log_startup``, on the ``kvplane`` logger), once the flows are up."""
+        w = self.worker
+        if not self._announced and w.backend is not None:
+            self._announced = True
+            log_startup(w.backend, w.layouts, offload=w.offload, prefill=w.prefill, decode=w.decode,
+                        engine_id=f"{self.config.engine_id} tp_rank={w.tp_rank} dp_rank={w.dp_rank}",
+                        families={layer.family for layer in w.spec.layers} if w.spec is not None else None)
 
     def unregister_kv_caches(self) -> None:
         """Sleep mode (vLLM 0.33's ``gpu_worker.sleep``): the caches are about to be unmapped and vLLM has drained
@@ -196,11 +213,20 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         return KVPlaneWorkerMeta(failed) if failed else None
 
     def get_kv_connector_stats(self) -> KVPlaneStats | None:
-        return KVPlaneStats(data=self.worker.stats()) if self._worker is not None else None
+        """This step's counts, transfers and gauges (``stats.WorkerStats``); None when nothing changed."""
+        if self._worker is None or self._stats is None:
+            return None
+        return self._stats.take(self._worker.stats())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPlaneStats | None:
-        return KVPlaneStats(data=dict(data)) if data is not None else KVPlaneStats()
+        return KVPlaneStats.from_data(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVPlanePromMetrics:
+        """vLLM's Prometheus logger asks for the connector's metrics (``vllm:kvplane_*``) once per frontend."""
+        return KVPlanePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

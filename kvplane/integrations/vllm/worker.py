@@ -25,7 +25,7 @@ from kvplane.integrations.vllm.layouts import backend_name, cross_layer_logical,
 from kvplane.integrations.vllm.lookup import LookupServer, lookup_address
 from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Receive, Send
 from kvplane.integrations.vllm.spec import layouts_for, spec_from_vllm
-from kvplane.kv.binding import check_whole_allocations, matching_layouts, regions_from_tensors
+from kvplane.kv.binding import LayoutChoice, check_whole_allocations, matching_layouts, regions_from_tensors
 from kvplane.kv.layouts import LayerValue, Layout
 from kvplane.kv.spec import KVSpec
 
@@ -40,6 +40,7 @@ class WorkerSide:
         self.config, self.kv_cache_config, self.backend = config, kv_cache_config, backend
         self.tp_rank, self.dp_rank, self.kv_lora_rank = tp_rank, dp_rank, kv_lora_rank
         self.spec: KVSpec | None = None
+        self.layouts: LayoutChoice | None = None  # chosen per family at registration (the startup line)
         self.offload: OffloadEngine | None = None
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
@@ -76,7 +77,7 @@ class WorkerSide:
         self.spec = spec_from_vllm(self.kv_cache_config, list(kv_caches), kv_lora_rank=self.kv_lora_rank)
         backend = self.backend = self.backend or select_backend(self.config.device, kv_caches)
         read = self._read_layouts(kv_caches, attn_backends or {}, cache_dtype, backend.layouts)
-        layouts = layouts_for({**backend.layouts, **read}, self.config.layouts)
+        layouts = self.layouts = layouts_for({**backend.layouts, **read}, self.config.layouts)
         if whole:
             check_whole_allocations(kv_caches, slack=backend.registration_alignment)
         regions_from_tensors(self.spec, kv_caches, layouts)  # every LayoutError before any flow registers memory
