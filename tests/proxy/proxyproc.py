@@ -1,0 +1,82 @@
+"""Helpers of the proxy tests: engine and misbehaving-instance processes, and the proxy served in-process.
+
+Processes write a ready file once serving; a process that dies first fails the test with its log's tail.
+The proxy runs in the test's own event loop (``serve_proxy``) so tests can count its tasks and sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from kvplane.proxy import ProxyConfig, build_app
+
+HERE = Path(__file__).parent
+STARTUP_S = 120.0
+BEHAVIOURS = ("ok", "slow", "fail", "garbage", "hang", "reset", "midstream")
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[bytes]
+    ready: dict[str, Any]
+    log: Path
+
+    def url(self, key: str = "http_port") -> str:
+        return f"http://127.0.0.1:{self.ready[key]}"
+
+    def stop(self) -> None:
+        self.popen.terminate()
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+
+
+def spawn(script: str, args: list[str], tmp: Path, name: str) -> Proc:
+    ready, log = tmp / f"{name}.ready", tmp / f"{name}.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+    with log.open("wb") as out:
+        popen = subprocess.Popen([sys.executable, str(HERE / script), "--ready", str(ready), *args],
+                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=HERE)
+    end = time.monotonic() + STARTUP_S
+    while not (ready.exists() and ready.read_text()):
+        if popen.poll() is not None or time.monotonic() > end:
+            popen.kill()
+            raise AssertionError(f"{script} {args} did not start; log tail:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    time.sleep(0.05)  # the file is written whole (json.dumps then one write), read it again to be sure
+    return Proc(popen, json.loads(ready.read_text()), log)
+
+
+def start_engine(tmp: Path, role: str, mode: str, transport: str, name: str) -> Proc:
+    return spawn("engine_server.py", ["--role", role, "--mode", mode, "--transport", transport,
+                                      "--engine-id", f"{name}-engine"], tmp, name)
+
+
+@asynccontextmanager
+async def serve_proxy(config: ProxyConfig, shutdown_timeout: float = 5.0) -> AsyncIterator[tuple[str, web.Application]]:
+    """The proxy app on a free port of 127.0.0.1; its URL and app. Cleanup waits for in-flight requests up to
+    ``shutdown_timeout`` s (as ``kvplane proxy`` does on SIGTERM)."""
+    app = build_app(config)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        await runner.cleanup()
