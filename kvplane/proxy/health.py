@@ -37,10 +37,11 @@ async def check(session: aiohttp.ClientSession, inst: Instance, timeout_s: float
 
 async def run_checks(session: aiohttp.ClientSession, pools: list[InstancePool], metrics: ProxyMetrics,
                      interval_s: float, timeout_s: float) -> None:
-    """Runs until cancelled (the app's cleanup does it)."""
+    """Runs until cancelled (the app's cleanup does it). Instances start in rotation; the first check is one
+    interval after startup, so engines still loading get that long."""
     while True:
+        await asyncio.sleep(interval_s)
         for pool in pools:
             results = await asyncio.gather(*(check(session, inst, timeout_s) for inst in pool.instances))
             for inst, why in zip(pool.instances, results):
                 record(pool, metrics, inst, not why, why)
-        await asyncio.sleep(interval_s)

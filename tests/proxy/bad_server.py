@@ -2,7 +2,7 @@
 
 One port per behaviour ``B`` (the ready file maps each to its port):
 
-- ``ok``: a valid completion (streamed when asked) whose text is the port, with ``kv_transfer_params`` and an
+- ``ok`` (and ``ok2``, ``ok3``...): a valid completion (streamed when asked) whose text is the port, with ``kv_transfer_params`` and an
   ``echo`` of the body and ``X-Request-Id`` it got; ``slow``: the same after 1 s;
 - ``fail``: HTTP 500 with a JSON error; ``garbage``: HTTP 200 with a body that is not JSON;
 - ``hang``: reads the request and never answers; ``reset``: resets the connection (RST) without answering;

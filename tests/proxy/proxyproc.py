@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvplane.proxy import ProxyConfig, build_app
+from kvplane.proxy import Instance, ProxyConfig, build_app
 
 HERE = Path(__file__).parent
 STARTUP_S = 120.0
-BEHAVIOURS = ("ok", "slow", "fail", "garbage", "hang", "reset", "midstream")
+BEHAVIOURS = ("ok", "ok2", "slow", "fail", "garbage", "hang", "reset", "midstream")
 
 
 @dataclass
@@ -80,3 +80,21 @@ async def serve_proxy(config: ProxyConfig, shutdown_timeout: float = 5.0) -> Asy
         yield f"http://127.0.0.1:{port}", app
     finally:
         await runner.cleanup()
+
+
+def socket_count() -> int:
+    """Open sockets of this process (client and server side)."""
+    fds = Path("/proc/self/fd")
+    count = 0
+    for fd in fds.iterdir():
+        try:
+            count += os.readlink(fd).startswith("socket:")
+        except OSError:  # closed while listing
+            pass
+    return count
+
+
+def instance(proc: Proc, kind: str, role: str, push: bool = False) -> Instance:
+    """The ``Instance`` of one behaviour of ``bad_server.py``; push modes get a made-up side channel."""
+    url = f"http://127.0.0.1:{proc.ready[kind]}"
+    return Instance.parse(f"{url},engine_id=prefill-x,side_channel=127.0.0.1:5600" if push else url, role)

@@ -1,0 +1,137 @@
+"""xPyD: which instance serves each request (round-robin, least outstanding requests), and health checks that
+take a dead instance out and put it back. The instances are ``bad_server.py`` behaviours; an ``ok`` instance
+answers its own port as the text, so the tests see who served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any
+
+import aiohttp
+import pytest
+from proxyproc import Proc, instance, serve_proxy
+
+from kvplane.proxy import Instance, ProxyConfig
+from kvplane.proxy.errors import ProxyConfigError
+
+BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+
+
+def config(bad: Proc, decodes: list[str], policy: str = "round-robin", **kw: Any) -> ProxyConfig:
+    return ProxyConfig(prefill=(instance(bad, "ok", "prefill"),),
+                       decode=tuple(instance(bad, d, "decode") for d in decodes), policy=policy,  # type: ignore[arg-type]
+                       decode_timeout_s=kw.pop("decode_timeout_s", 30.0), **kw)
+
+
+async def served_by(client: aiohttp.ClientSession, url: str) -> Any:
+    async with client.post(f"{url}/v1/completions", json=BODY) as resp:
+        answer = await resp.json()
+        return answer["choices"][0]["text"] if resp.status == 200 else resp.status
+
+
+def test_round_robin_alternates_between_decode_instances(bad: Proc) -> None:
+    async def go() -> list[Any]:
+        async with serve_proxy(config(bad, ["ok", "ok2"])) as (url, _), aiohttp.ClientSession() as client:
+            return [await served_by(client, url) for _ in range(4)]
+
+    a, b = str(bad.ready["ok"]), str(bad.ready["ok2"])
+    assert asyncio.run(go()) == [a, b, a, b]
+
+
+def test_least_outstanding_avoids_the_instance_still_serving(bad: Proc) -> None:
+    async def go(policy: str, decode_timeout_s: float) -> list[Any]:
+        async with serve_proxy(config(bad, ["hang", "ok"], policy, decode_timeout_s=decode_timeout_s),
+                               shutdown_timeout=0.1) as (url, _), \
+                aiohttp.ClientSession() as client:
+            stuck = asyncio.ensure_future(served_by(client, url))  # round-robin order: "hang" first
+            while True:  # until the proxy has sent it (it counts as outstanding from then on)
+                async with client.get(f"{url}/metrics") as resp:
+                    if "kvplane_proxy_leg_seconds_count{leg=\"prefill\"} 1.0" in await resp.text():
+                        break
+                await asyncio.sleep(0.01)
+            served = [await served_by(client, url) for _ in range(3)]
+            stuck.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stuck
+            return served
+
+    ok = str(bad.ready["ok"])
+    assert asyncio.run(go("least-outstanding", 60.0)) == [ok, ok, ok]
+    assert asyncio.run(go("round-robin", 0.5)).count(ok) < 3  # round-robin sends one of them to the busy instance
+
+
+def test_a_failing_health_check_takes_an_instance_out_and_a_passing_one_puts_it_back(bad: Proc) -> None:
+    async def go() -> None:
+        async with serve_proxy(config(bad, ["ok", "ok2"], health_interval_s=0.05)) as (url, app), \
+                aiohttp.ClientSession() as client:
+            ok2 = f"http://127.0.0.1:{bad.ready['ok2']}"
+
+            async def until(up: bool) -> None:
+                while True:
+                    async with client.get(f"{url}/health") as resp:
+                        if (await resp.json())["decode"][ok2] is up:
+                            return
+                    await asyncio.sleep(0.02)
+
+            async with client.post(f"{ok2}/health/down"):
+                pass
+            await asyncio.wait_for(until(False), 30)
+            assert {await served_by(client, url) for _ in range(3)} == {str(bad.ready["ok"])}
+            async with client.get(f"{url}/metrics") as resp:
+                assert f'kvplane_proxy_instance_up{{role="decode",url="{ok2}"}} 0.0' in await resp.text()
+            async with client.post(f"{ok2}/health/up"):
+                pass
+            await asyncio.wait_for(until(True), 30)
+            assert {await served_by(client, url) for _ in range(4)} == {str(bad.ready["ok"]), str(bad.ready["ok2"])}
+
+    asyncio.run(go())
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_an_unreachable_instance_is_taken_out_at_once_and_none_left_is_a_503(bad: Proc) -> None:
+    dead = dead_url()
+
+    async def go() -> tuple[list[Any], list[Any]]:
+        two = ProxyConfig(prefill=(instance(bad, "ok", "prefill"),),
+                          decode=(Instance.parse(dead, "decode"), instance(bad, "ok", "decode")),
+                          health_interval_s=60.0)
+        async with serve_proxy(two) as (url, _), aiohttp.ClientSession() as client:
+            first = [await served_by(client, url) for _ in range(3)]
+        alone = ProxyConfig(prefill=(instance(bad, "ok", "prefill"),), decode=(Instance.parse(dead, "decode"),),
+                            health_interval_s=60.0)
+        async with serve_proxy(alone) as (url, _), aiohttp.ClientSession() as client:
+            statuses = [await served_by(client, url) for _ in range(2)]
+            async with client.post(f"{url}/v1/completions", json=BODY) as resp:
+                message = (await resp.json())["error"]["message"]
+        return first, [*statuses, message]
+
+    first, (unreachable, none_up, message) = asyncio.run(go())
+    assert first == [502, str(bad.ready["ok"]), str(bad.ready["ok"])]  # then out of rotation
+    assert (unreachable, none_up) == (502, 503)
+    assert "no decode instance is up" in message and dead in message
+
+
+@pytest.mark.parametrize("text,words", [
+    ("10.0.0.7:8100", "not an instance URL"),
+    ("http://10.0.0.7:8100/v1", "not an instance URL"),
+    ("http://10.0.0.7:8100,side_channel=10.0.0.7", "not HOST:PORT"),
+    ("http://10.0.0.7:8100,tp_size=0", "tp_size='0'"),
+    ("http://10.0.0.7:8100,engine=p", "KEY one of"),
+])
+def test_a_bad_instance_flag_is_refused_at_startup_naming_it(text: str, words: str) -> None:
+    with pytest.raises(ProxyConfigError, match=words):
+        Instance.parse(text, "prefill")
+
+
+def test_push_without_the_prefills_side_channel_is_refused_at_startup() -> None:
+    with pytest.raises(ProxyConfigError, match="engine_id=ID,side_channel=HOST:PORT"):
+        ProxyConfig(prefill=(Instance.parse("http://10.0.0.7:8100", "prefill"),),
+                    decode=(Instance.parse("http://10.0.0.8:8200", "decode"),), mode="push")
