@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvplane.flows.disagg.config import MODES
 from kvplane.proxy.config import ON_PREFILL_FAILURE, POLICIES, Instance, ProxyConfig
-
-MODES = ("pull", "push", "layerwise")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +109,7 @@ async def open_decode(session: aiohttp.ClientSession, inst: Instance, path: str,
         raise
 
 
-async def rest_of_stream(answer: DecodeAnswer) -> Any:
+async def rest_of_stream(answer: DecodeAnswer) -> AsyncIterator[bytes]:
     """The decode's remaining bytes, as they come (an async iterator)."""
     try:
         async for chunk in answer.resp.content.iter_any():

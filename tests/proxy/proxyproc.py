@@ -11,13 +11,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 from aiohttp import web
 
 from kvplane.proxy import Instance, ProxyConfig, build_app

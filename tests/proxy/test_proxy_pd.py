@@ -17,8 +17,8 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
-from proxyproc import Proc, serve_proxy, start_engine
 from engine_server import LAYOUT, NUM_BLOCKS, tokens_of
+from proxyproc import Proc, serve_proxy, start_engine
 from tiny_model import Shape, TinyDecoder
 
 from kvplane.kv.binding import allocate_cache

@@ -1,0 +1,114 @@
+"""Shutdown: requests in flight when the proxy stops are completed (within the shutdown timeout) or failed,
+never left hanging; ``kvplane proxy`` exits on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import aiohttp
+import pytest
+from proxyproc import Proc, instance, serve_proxy
+
+from kvplane.proxy import ProxyConfig
+
+BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+NEVER_S = 120.0  # a bound so that a hung shutdown fails the test instead of hanging it
+
+
+def config(bad: Proc, decode: str) -> ProxyConfig:
+    return ProxyConfig(prefill=(instance(bad, "ok", "prefill"),), decode=(instance(bad, decode, "decode"),),
+                       decode_timeout_s=600.0, health_interval_s=60.0)
+
+
+async def in_flight(client: aiohttp.ClientSession, url: str) -> None:
+    while True:
+        async with client.get(f"{url}/metrics") as resp:
+            if "kvplane_proxy_in_flight 1.0" in await resp.text():
+                return
+        await asyncio.sleep(0.01)
+
+
+async def request(url: str) -> tuple[int, Any] | str:
+    try:
+        async with aiohttp.ClientSession() as client, client.post(f"{url}/v1/completions", json=BODY) as resp:
+            return resp.status, await resp.json()
+    except aiohttp.ClientError as e:
+        return type(e).__name__
+
+
+def test_a_request_in_flight_at_shutdown_completes(bad: Proc) -> None:
+    async def go() -> Any:
+        proxy = serve_proxy(config(bad, "slow"), shutdown_timeout=60.0)
+        url, _ = await proxy.__aenter__()
+        try:
+            pending = asyncio.ensure_future(request(url))
+            async with aiohttp.ClientSession() as client:
+                await in_flight(client, url)
+        finally:
+            await asyncio.wait_for(proxy.__aexit__(None, None, None), NEVER_S)
+        return await pending
+
+    status, answer = asyncio.run(go())
+    assert status == 200 and answer["choices"][0]["text"] == str(bad.ready["slow"])
+
+
+def test_a_request_still_in_flight_after_the_shutdown_timeout_fails_and_shutdown_ends(bad: Proc) -> None:
+    async def go() -> Any:
+        proxy = serve_proxy(config(bad, "hang"), shutdown_timeout=0.2)
+        url, _ = await proxy.__aenter__()
+        try:
+            pending = asyncio.ensure_future(request(url))
+            async with aiohttp.ClientSession() as client:
+                await in_flight(client, url)
+        finally:
+            await asyncio.wait_for(proxy.__aexit__(None, None, None), NEVER_S)
+        return await asyncio.wait_for(pending, NEVER_S)
+
+    assert asyncio.run(go()) == "ServerDisconnectedError"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.integration
+def test_kvplane_proxy_exits_on_sigterm_with_a_request_in_flight(bad: Proc, tmp_path: Any) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "proxy.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kvplane.cli.main", "proxy", "--port", str(port),
+                             "--prefill", f"http://127.0.0.1:{bad.ready['ok']}",
+                             "--decode", f"http://127.0.0.1:{bad.ready['hang']}", "--shutdown-timeout", "0.2"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+    async def go() -> Any:
+        async with aiohttp.ClientSession() as client:
+            while True:
+                try:
+                    async with client.get(f"{url}/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientConnectorError:
+                    assert proc.poll() is None, (tmp_path / "proxy.log").read_text()
+                await asyncio.sleep(0.05)
+            pending = asyncio.ensure_future(request(url))
+            await in_flight(client, url)
+        proc.send_signal(signal.SIGTERM)
+        return await asyncio.wait_for(pending, NEVER_S)
+
+    try:
+        assert asyncio.run(go()) == "ServerDisconnectedError"
+        assert proc.wait(NEVER_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
