@@ -32,6 +32,9 @@ from kvplane.proxy.pool import InstancePool
 
 logger = logging.getLogger("kvplane.proxy")
 FORWARDED = ("Authorization",)
+# how the app is served (web.run_app / AppRunner): a client that leaves cancels its handler, which closes the
+# legs' connections, so the instances abort the request instead of computing it for no one
+SERVING: dict[str, Any] = {"handler_cancellation": True, "access_log": None}
 
 
 class ProxyState:
@@ -112,6 +115,10 @@ async def _serve(request: web.Request) -> web.StreamResponse:
                 answer, outcome = await flows.push(state.route(), path, body, headers, request_id)
         except ProxyError as e:
             return _error(state, path, e, request_id)
+        except Exception as e:  # a bug of the proxy: still a JSON answer, and the traceback in the log
+            logger.exception("kvplane proxy: request %s failed inside the proxy", request_id)
+            return _error(state, path, ProxyError(500, "internal", f"the proxy failed: {type(e).__name__}: {e}"),
+                          request_id)
         try:
             return await _respond(request, state, answer, path, outcome, request_id, start)
         finally:

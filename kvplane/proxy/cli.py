@@ -44,7 +44,7 @@ def config_from(args: argparse.Namespace) -> ProxyConfig:
 def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from kvplane.proxy.app import build_app
+    from kvplane.proxy.app import SERVING, build_app
 
     config = config_from(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -52,5 +52,5 @@ def run(args: argparse.Namespace) -> int:
         "kvplane proxy on %s:%d, mode %s, policy %s, prefill %s, decode %s", config.host, config.port, config.mode,
         config.policy, [i.url for i in config.prefill], [i.url for i in config.decode])
     web.run_app(build_app(config), host=config.host, port=config.port, shutdown_timeout=config.shutdown_timeout_s,
-                print=None, access_log=None)
+                print=None, **SERVING)
     return 0

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from kvplane.proxy import Instance, ProxyConfig, build_app
+from kvplane.proxy.app import SERVING
 
 HERE = Path(__file__).parent
 STARTUP_S = 120.0
@@ -67,10 +68,10 @@ def start_engine(tmp: Path, role: str, mode: str, transport: str, name: str) -> 
 
 @asynccontextmanager
 async def serve_proxy(config: ProxyConfig, shutdown_timeout: float = 5.0) -> AsyncIterator[tuple[str, web.Application]]:
-    """The proxy app on a free port of 127.0.0.1; its URL and app. Cleanup waits for in-flight requests up to
-    ``shutdown_timeout`` s (as ``kvplane proxy`` does on SIGTERM)."""
+    """The proxy app on a free port of 127.0.0.1, served as ``kvplane proxy`` serves it; its URL and app.
+    Cleanup waits for in-flight requests up to ``shutdown_timeout`` s (as ``kvplane proxy`` does on SIGTERM)."""
     app = build_app(config)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout, **SERVING)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -112,3 +112,28 @@ def test_kvplane_proxy_exits_on_sigterm_with_a_request_in_flight(bad: Proc, tmp_
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_a_client_that_leaves_stops_both_legs(bad: Proc) -> None:
+    """The client gives up while the decode hangs (its timeout is long): the proxy's handler and legs end now,
+    not when the leg times out (their connections close, so vLLM aborts the request on the instances)."""
+
+    async def go() -> set[asyncio.Task[Any]]:
+        async with serve_proxy(config(bad, "hang")) as (url, _), aiohttp.ClientSession() as watcher:
+            async with watcher.get(f"{url}/health"):  # the watcher's keep-alive connection (and its task) first
+                pass
+            before = asyncio.all_tasks()
+            client = aiohttp.ClientSession()
+            pending = asyncio.ensure_future(client.post(f"{url}/v1/completions", json=BODY))
+            await in_flight(watcher, url)
+            pending.cancel()
+            await client.close()  # the client's connection closes
+            left = asyncio.all_tasks() - before
+            for _ in range(200):  # a few loop turns to close sockets; far less than the leg's 600 s timeout
+                left = {t for t in asyncio.all_tasks() - before if not t.done()}
+                if not left:
+                    break
+                await asyncio.sleep(0.05)
+            return left
+
+    assert asyncio.run(go()) == set()
