@@ -43,6 +43,7 @@ async def _prefill(route: Route, inst: Instance, path: str, body: dict[str, Any]
                    headers: dict[str, str]) -> dict[str, Any]:
     start = time.perf_counter()
     c = route.config
+    route.metrics.instance_requests.labels(inst.role, inst.url).inc()
     try:
         return await call_prefill(route.session, inst, path, body, headers, c.prefill_timeout_s,
                                   c.connect_timeout_s, route.unreachable)
@@ -53,6 +54,7 @@ async def _prefill(route: Route, inst: Instance, path: str, body: dict[str, Any]
 async def _decode(route: Route, inst: Instance, path: str, body: dict[str, Any],
                   headers: dict[str, str]) -> DecodeAnswer:
     c = route.config
+    route.metrics.instance_requests.labels(inst.role, inst.url).inc()
     return await open_decode(route.session, inst, path, body, headers, c.decode_timeout_s, c.connect_timeout_s,
                              route.unreachable)
 

@@ -3,7 +3,8 @@
 - ``kvplane_proxy_requests_total{endpoint, mode, outcome}``: requests answered (``ok``, ``error``, ``fallback``);
 - ``kvplane_proxy_leg_seconds{leg}``: time of each leg (``prefill``, ``decode`` to its last byte, ``total``);
 - ``kvplane_proxy_errors_total{cause}``: failures by cause (``prefill_timeout``, ``decode_bad_json``, ...);
-- ``kvplane_proxy_in_flight``: requests being served; ``kvplane_proxy_instance_up{role, url}``: health.
+- ``kvplane_proxy_in_flight``: requests being served; ``kvplane_proxy_instance_up{role, url}``: health;
+- ``kvplane_proxy_instance_requests_total{role, url}``: requests sent to each instance.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class ProxyMetrics:
         self.in_flight = Gauge("kvplane_proxy_in_flight", "Requests being served", registry=self.registry)
         self.instance_up = Gauge("kvplane_proxy_instance_up", "1 while the instance passes its health checks",
                                  ["role", "url"], registry=self.registry)
+        self.instance_requests = Counter("kvplane_proxy_instance_requests", "Requests sent to each instance",
+                                         ["role", "url"], registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,7 @@ from tiny_model import Shape, TinyDecoder
 
 from kvplane.kv.binding import allocate_cache
 from kvplane.proxy import Instance, ProxyConfig
+from kvplane.proxy.app import STATE
 
 pytestmark = pytest.mark.integration
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, 64, 41)]
@@ -130,8 +131,40 @@ def test_chat_completions_equal_one_process(pair: tuple[str, Proc, Proc]) -> Non
     asyncio.run(go())
 
 
-def test_the_decode_engine_log_shows_no_local_prefill_fallback(pair: tuple[str, Proc, Proc]) -> None:
-    """The engines answered from transferred KV: no error in either log."""
+def test_neither_engine_logged_a_traceback(pair: tuple[str, Proc, Proc]) -> None:
     _, prefill, decode = pair
     for proc in (prefill, decode):
         assert "Traceback" not in Path(proc.log).read_text(errors="replace"), proc.log
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-outstanding"])
+def test_two_prefills_and_two_decodes_each_serve_and_decode_equals_one_process(
+        tmp_path: Path, policy: str) -> None:
+    """2P2D in push mode: the proxy names whichever prefill it picked in that decode's params."""
+    procs = [start_engine(tmp_path, role, "push", "mooncake", f"{role}{i}") for role in ("prefill", "decode")
+             for i in range(2)]
+    try:
+        prefills = tuple(Instance.parse(f"{p.url()},engine_id={p.ready['engine_id']},side_channel=127.0.0.1:"
+                                        f"{p.ready['side_port']}", "prefill") for p in procs[:2])
+        decodes = tuple(Instance.parse(d.url(), "decode") for d in procs[2:])
+        cfg = ProxyConfig(prefill=prefills, decode=decodes, mode="push", policy=policy,  # type: ignore[arg-type]
+                          prefill_timeout_s=60.0, decode_timeout_s=60.0)
+        prompts = [PROMPT, PROMPT[:20], PROMPT[5:], PROMPT[::-1]]
+
+        async def go() -> list[list[int]]:
+            async with serve_proxy(cfg) as (url, app):
+                answers = await asyncio.gather(*(ask(url, "/v1/completions", {"model": "tiny", "prompt": p,
+                                                                              "max_tokens": STEPS}) for p in prompts))
+                served = app[STATE].metrics.render().decode()
+                assert 'outcome="ok"} 4.0' in served
+                for inst in prefills + decodes:  # each instance served two of the four
+                    assert f'instance_requests_total{{role="{inst.role}",url="{inst.url}"}} 2.0' in served
+            assert all(status == 200 for status, _, _ in answers), answers
+            return [a["choices"][0]["token_ids"] for _, a, _ in answers]
+
+        assert asyncio.run(go()) == [one_process(p, STEPS) for p in prompts]
+        for proc in procs:
+            assert "Traceback" not in proc.log.read_text(errors="replace")
+    finally:
+        for proc in procs:
+            proc.stop()
