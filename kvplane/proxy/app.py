@@ -109,20 +109,21 @@ async def _serve(request: web.Request) -> web.StreamResponse:
     try:
         try:
             body = bodies.check_request(path, await _json(request), mode)
-            if mode == "pull":
-                answer, outcome = await flows.pull(state.route(), path, body, headers)
-            else:
-                answer, outcome = await flows.push(state.route(), path, body, headers, request_id)
+            with state.decode.lease() as d_inst:  # until the answer's last byte: least-outstanding counts it
+                if mode == "pull":
+                    answer, outcome = await flows.pull(state.route(), d_inst, path, body, headers)
+                else:
+                    answer, outcome = await flows.push(state.route(), d_inst, path, body, headers, request_id)
+                try:
+                    return await _respond(request, state, answer, path, outcome, request_id, start)
+                finally:
+                    answer.close()
         except ProxyError as e:
             return _error(state, path, e, request_id)
         except Exception as e:  # a bug of the proxy: still a JSON answer, and the traceback in the log
             logger.exception("kvplane proxy: request %s failed inside the proxy", request_id)
             return _error(state, path, ProxyError(500, "internal", f"the proxy failed: {type(e).__name__}: {e}"),
                           request_id)
-        try:
-            return await _respond(request, state, answer, path, outcome, request_id, start)
-        finally:
-            answer.close()
     finally:
         state.metrics.in_flight.dec()
         state.metrics.leg_seconds.labels("total").observe(time.perf_counter() - start)

@@ -7,7 +7,8 @@
   (``tokens.new_token``), so the prefill pushes only to that decode. The decode's answer is held until the
   prefill has answered: a decode that answers first is delivered only if the prefill then succeeds.
 
-A prefill failure is answered as a ``ProxyError`` or, with ``--on-prefill-failure decode-only``, by sending the
+The caller leases the decode instance (``InstancePool.lease``) for the whole answer, streaming included, so
+that least-outstanding selection counts it until the last byte. A prefill failure is answered as a ``ProxyError`` or, with ``--on-prefill-failure decode-only``, by sending the
 request to the decode alone (outcome ``fallback``).
 """
 
@@ -68,7 +69,7 @@ def _returned_params(inst: Instance, path: str, answer: dict[str, Any]) -> dict[
     return params
 
 
-async def pull(route: Route, path: str, body: dict[str, Any], headers: dict[str, str]
+async def pull(route: Route, d_inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
                ) -> tuple[DecodeAnswer, str]:
     with route.prefill.lease() as p_inst:
         try:
@@ -80,14 +81,13 @@ async def pull(route: Route, path: str, body: dict[str, Any], headers: dict[str,
                 raise
             route.metrics.errors.labels(e.cause).inc()
             params, outcome = None, "fallback"
-    with route.decode.lease() as d_inst:
-        return await _decode(route, d_inst, path, bodies.decode_body(body, params), headers), outcome
+    return await _decode(route, d_inst, path, bodies.decode_body(body, params), headers), outcome
 
 
-async def push(route: Route, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
-               ) -> tuple[DecodeAnswer, str]:
+async def push(route: Route, d_inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str],
+               request_id: str) -> tuple[DecodeAnswer, str]:
     token = new_token()
-    with route.prefill.lease() as p_inst, route.decode.lease() as d_inst:
+    with route.prefill.lease() as p_inst:
         params = bodies.push_params(p_inst, path, request_id, route.config.mode, token)
         decoding = asyncio.ensure_future(_decode(route, d_inst, path, bodies.decode_body(body, params), headers))
         prefilling = asyncio.ensure_future(_prefill(route, p_inst, path, bodies.prefill_body(body, token), headers))

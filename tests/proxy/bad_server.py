@@ -6,7 +6,7 @@ One port per behaviour ``B`` (the ready file maps each to its port):
   ``echo`` of the body and ``X-Request-Id`` it got; ``slow``: the same after 1 s;
 - ``fail``: HTTP 500 with a JSON error; ``garbage``: HTTP 200 with a body that is not JSON;
 - ``hang``: reads the request and never answers; ``reset``: resets the connection (RST) without answering;
-- ``midstream``: starts a stream, sends one event, then resets.
+- ``midstream``: starts a stream, sends one event, then resets; ``trickle``: sends one event, then nothing.
 
 ``GET /health`` answers 200, or 503 after ``POST /health/down`` (``POST /health/up`` restores it). Handlers of
 this process may hang forever: it runs apart from the test so that they count in no leak check.
@@ -65,6 +65,9 @@ def behaviour(kind: str, port: int) -> Any:
             await out.drain()
             reset(request)
             return out
+        if kind == "trickle":
+            await out.drain()
+            await asyncio.sleep(3600)
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out

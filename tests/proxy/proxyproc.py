@@ -24,7 +24,7 @@ from kvplane.proxy.app import SERVING
 
 HERE = Path(__file__).parent
 STARTUP_S = 120.0
-BEHAVIOURS = ("ok", "ok2", "slow", "fail", "garbage", "hang", "reset", "midstream")
+BEHAVIOURS = ("ok", "ok2", "slow", "fail", "garbage", "hang", "reset", "midstream", "trickle")
 
 
 @dataclass

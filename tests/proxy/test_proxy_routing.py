@@ -63,6 +63,18 @@ def test_least_outstanding_avoids_the_instance_still_serving(bad: Proc) -> None:
     assert asyncio.run(go("round-robin", 0.5)).count(ok) < 3  # round-robin sends one of them to the busy instance
 
 
+def test_least_outstanding_counts_a_decode_until_its_stream_ends(bad: Proc) -> None:
+    """A stream that has started is still outstanding: the next requests go to the idle instance."""
+    async def go() -> list[Any]:
+        async with serve_proxy(config(bad, ["trickle", "ok"], "least-outstanding", decode_timeout_s=5.0),
+                               shutdown_timeout=0.1) as (url, _), aiohttp.ClientSession() as client:
+            async with client.post(f"{url}/v1/completions", json={**BODY, "stream": True}) as streaming:
+                await streaming.content.readany()  # its first event has passed through the proxy
+                return [await served_by(client, url) for _ in range(3)]
+
+    assert asyncio.run(go()) == [str(bad.ready["ok"])] * 3
+
+
 def test_a_failing_health_check_takes_an_instance_out_and_a_passing_one_puts_it_back(bad: Proc) -> None:
     async def go() -> None:
         async with serve_proxy(config(bad, ["ok", "ok2"], health_interval_s=0.05)) as (url, app), \
