@@ -101,7 +101,7 @@ async def push(route: Route, d_inst: Instance, path: str, body: dict[str, Any], 
             except ProxyError as e:
                 if decode_first:
                     e = ProxyError(e.status, e.cause, f"{e.message}; the decode {d_inst.url} had answered before "
-                                                      f"the prefill, so not from its KV, and its answer was dropped")
+                                                      f"the prefill, which then failed: its answer was dropped")
                 if route.config.on_prefill_failure != "decode-only" or e.status < 500:
                     raise e from None
                 route.metrics.errors.labels(e.cause).inc()

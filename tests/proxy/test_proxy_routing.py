@@ -147,3 +147,11 @@ def test_push_without_the_prefills_side_channel_is_refused_at_startup() -> None:
     with pytest.raises(ProxyConfigError, match="engine_id=ID,side_channel=HOST:PORT"):
         ProxyConfig(prefill=(Instance.parse("http://10.0.0.7:8100", "prefill"),),
                     decode=(Instance.parse("http://10.0.0.8:8200", "decode"),), mode="push")
+
+
+def test_kvplane_proxy_with_a_bad_flag_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvplane.cli.main import main
+
+    assert main(["proxy", "--mode", "layerwise", "--prefill", "http://10.0.0.7:8100", "--decode",
+                 "http://10.0.0.8:8200"]) == 2
+    assert "--mode layerwise needs each prefill's engine id and side channel" in capsys.readouterr().err
