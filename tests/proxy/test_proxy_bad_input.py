@@ -18,6 +18,7 @@ from proxyproc import Proc, instance, serve_proxy, socket_count
 from kvplane.flows.disagg.tokens import is_token
 from kvplane.proxy import ProxyConfig
 
+pytestmark = pytest.mark.integration  # the instances are another process (bad_server.py)
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 
 

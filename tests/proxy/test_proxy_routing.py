@@ -17,6 +17,7 @@ from proxyproc import Proc, instance, serve_proxy
 from kvplane.proxy import Instance, ProxyConfig
 from kvplane.proxy.errors import ProxyConfigError
 
+pytestmark = pytest.mark.integration  # the instances are another process (bad_server.py)
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 
 

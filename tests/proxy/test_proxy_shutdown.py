@@ -17,6 +17,7 @@ from proxyproc import Proc, instance, serve_proxy
 
 from kvplane.proxy import ProxyConfig
 
+pytestmark = pytest.mark.integration  # the instances are another process (bad_server.py)
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 NEVER_S = 120.0  # a bound so that a hung shutdown fails the test instead of hanging it
 
@@ -79,7 +80,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.integration
 def test_kvplane_proxy_exits_on_sigterm_with_a_request_in_flight(bad: Proc, tmp_path: Any) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
