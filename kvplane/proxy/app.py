@@ -121,9 +121,7 @@ async def _serve(request: web.Request) -> web.StreamResponse:
         except ProxyError as e:
             return _error(state, path, e, request_id)
         except Exception as e:  # a bug of the proxy: still a JSON answer, and the traceback in the log
-            logger.exception("kvplane proxy: request %s failed inside the proxy", request_id)
-            return _error(state, path, ProxyError(500, "internal", f"the proxy failed: {type(e).__name__}: {e}"),
-                          request_id)
+            return _error(state, path, _internal(e, request_id), request_id)
     finally:
         state.metrics.in_flight.dec()
         state.metrics.leg_seconds.labels("total").observe(time.perf_counter() - start)
@@ -134,12 +132,25 @@ async def _json(request: web.Request) -> Any:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProxyError(400, "bad_request", f"the request body is not JSON: {e}") from None
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[STATE].config.max_body_bytes
+        raise ProxyError(413, "bad_request", f"the request body is over the proxy's limit of {limit} bytes "
+                                             f"(ProxyConfig.max_body_bytes)") from None
 
 
-def _error(state: ProxyState, path: str, e: ProxyError, request_id: str) -> web.Response:
+def _internal(e: Exception, request_id: str) -> ProxyError:
+    logger.exception("kvplane proxy: request %s failed inside the proxy", request_id)
+    return ProxyError(500, "internal", f"the proxy failed: {type(e).__name__}: {e}")
+
+
+def _count_error(state: ProxyState, path: str, e: ProxyError, request_id: str) -> None:
     state.metrics.errors.labels(e.cause).inc()
     state.metrics.requests.labels(path, state.config.mode, "error").inc()
     logger.warning("kvplane proxy: request %s: %s", request_id, e.message)
+
+
+def _error(state: ProxyState, path: str, e: ProxyError, request_id: str) -> web.Response:
+    _count_error(state, path, e, request_id)
     return web.json_response(e.body(request_id), status=e.status, headers={"X-Request-Id": request_id})
 
 
@@ -160,11 +171,12 @@ async def _respond(request: web.Request, state: ProxyState, answer: DecodeAnswer
         try:
             async for chunk in rest_of_stream(answer):
                 await out.write(chunk)
-        except ProxyError as e:  # headers are sent: the error ends the stream, as vLLM's own errors do
-            state.metrics.errors.labels(e.cause).inc()
-            state.metrics.requests.labels(path, state.config.mode, "error").inc()
-            logger.warning("kvplane proxy: request %s: %s", request_id, e.message)
-            await out.write(f"data: {json.dumps(e.body(request_id))}\n\n".encode())
+        except ConnectionResetError:
+            raise
+        except Exception as e:  # headers are sent: the error ends the stream, as vLLM's own errors do
+            error = e if isinstance(e, ProxyError) else _internal(e, request_id)
+            _count_error(state, path, error, request_id)
+            await out.write(f"data: {json.dumps(error.body(request_id))}\n\n".encode())
             await out.write_eof()
             return out
         await out.write_eof()

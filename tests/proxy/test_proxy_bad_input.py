@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -17,16 +18,23 @@ from proxyproc import Proc, instance, serve_proxy, socket_count
 
 from kvplane.flows.disagg.tokens import is_token
 from kvplane.proxy import ProxyConfig
+from kvplane.proxy import app as app_module
+from kvplane.proxy.app import STATE
 
 pytestmark = pytest.mark.integration  # the instances are another process (bad_server.py)
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 
 
 def config(bad: Proc, prefill: str, decode: str, mode: str = "pull", **kw: Any) -> ProxyConfig:
+    """Legs that answer get long timeouts (a loaded machine is slow, never wrong); a test of a hanging leg
+    gives that leg a short one (``HANG_PREFILL``, ``HANG_DECODE``)."""
     push = mode != "pull"
     return ProxyConfig(prefill=(instance(bad, prefill, "prefill", push),), decode=(instance(bad, decode, "decode"),),
-                       mode=mode, prefill_timeout_s=kw.pop("prefill_timeout_s", 1.0),  # type: ignore[arg-type]
-                       decode_timeout_s=kw.pop("decode_timeout_s", 1.0), health_interval_s=60.0, **kw)
+                       mode=mode, prefill_timeout_s=kw.pop("prefill_timeout_s", 60.0),  # type: ignore[arg-type]
+                       decode_timeout_s=kw.pop("decode_timeout_s", 60.0), health_interval_s=60.0, **kw)
+
+
+HANG_PREFILL, HANG_DECODE = {"prefill_timeout_s": 1.0}, {"decode_timeout_s": 1.0}  # for the leg that hangs
 
 
 async def post(url: str, body: Any, path: str = "/v1/completions", headers: dict[str, str] | None = None,
@@ -95,10 +103,12 @@ def test_push_refuses_several_prompts_in_one_request(bad: Proc) -> None:
 ])
 def test_a_failing_prefill_is_an_http_error_naming_it(bad: Proc, kind: str, want_status: int, words: tuple[str, ...],
                                                       mode: str) -> None:
-    status, answer = run(bad, kind, "slow" if mode == "push" else "ok", mode=mode)
+    # push: the decode never answers (it would only after the KV came), so the prefill's failure comes first
+    status, answer = run(bad, kind, "hang" if mode == "push" else "ok", mode=mode,
+                         **HANG_PREFILL)
     message = error_of(status, answer, want_status, f"prefill http://127.0.0.1:{bad.ready[kind]}", *words)
     assert answer["error"]["type"].startswith("prefill_")
-    assert "answered before" not in message  # the push decode ("slow") had not answered yet
+    assert "answered before" not in message  # the push decode had not answered
 
 
 @pytest.mark.parametrize("kind,want_status,words", [
@@ -109,18 +119,18 @@ def test_a_failing_prefill_is_an_http_error_naming_it(bad: Proc, kind: str, want
 ])
 def test_a_failing_decode_is_an_http_error_naming_it(bad: Proc, kind: str, want_status: int,
                                                      words: tuple[str, ...]) -> None:
-    status, answer = run(bad, "ok", kind)
+    status, answer = run(bad, "ok", kind, **HANG_DECODE)
     error_of(status, answer, want_status, f"decode http://127.0.0.1:{bad.ready[kind]}", *words)
 
 
 def test_a_push_decode_that_answers_before_a_prefill_that_never_answers_is_a_504_not_its_answer(bad: Proc) -> None:
-    status, answer = run(bad, "hang", "ok", mode="push")
+    status, answer = run(bad, "hang", "ok", mode="push", prefill_timeout_s=3.0)  # the decode answers at once
     error_of(status, answer, 504, "did not answer within", "answered before the prefill",
              f"decode http://127.0.0.1:{bad.ready['ok']}")
 
 
 def test_a_push_decode_that_answers_before_a_good_prefill_is_delivered(bad: Proc) -> None:
-    status, answer = run(bad, "slow", "ok", mode="push", prefill_timeout_s=30.0)
+    status, answer = run(bad, "slow", "ok", mode="push")
     assert status == 200 and answer["choices"][0]["text"] == str(bad.ready["ok"])
 
 
@@ -144,11 +154,46 @@ def test_decode_only_fallback_sends_the_request_without_kv_transfer_params(bad: 
     assert "kv_transfer_params" not in answer["echo"]["body"]
 
 
-def test_a_400_from_the_prefill_goes_back_with_its_status_and_no_fallback(bad: Proc) -> None:
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_400_from_the_prefill_goes_back_with_its_status_and_no_fallback(bad: Proc, mode: str) -> None:
     """An instance's 4xx is the client's mistake (a prompt too long...): no fallback hides it."""
-    status, answer = run(bad, "ok", "ok", {"model": "tiny", "prompt": "hi", "n": 2}, mode="push",
+    status, answer = run(bad, "reject", "hang" if mode == "push" else "ok", mode=mode,
                          on_prefill_failure="decode-only")
+    error_of(status, answer, 400, f"prefill http://127.0.0.1:{bad.ready['reject']}", "HTTP 400",
+             "prompt too long")
+
+
+def test_push_refuses_n_above_1(bad: Proc) -> None:
+    status, answer = run(bad, "ok", "ok", {"model": "tiny", "prompt": "hi", "n": 2}, mode="push")
     error_of(status, answer, 400, "'n'")
+
+
+def test_a_body_over_the_size_limit_is_a_413_json_error(bad: Proc) -> None:
+    status, answer = run(bad, "ok", "ok", {"model": "tiny", "prompt": "x" * 4096}, max_body_bytes=1024)
+    error_of(status, answer, 413, "1024")
+
+
+def test_a_proxy_bug_mid_stream_ends_the_stream_with_an_error_event(bad: Proc,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Headers are sent: the failure is the stream's last event, not a second HTTP answer on the connection."""
+    async def broken(answer: Any) -> AsyncIterator[bytes]:
+        raise RuntimeError("a bug")
+        yield b""  # an async generator
+
+    monkeypatch.setattr(app_module, "rest_of_stream", broken)
+
+    async def go() -> tuple[int, list[str], bool]:
+        async with serve_proxy(config(bad, "ok", "ok")) as (url, app), aiohttp.ClientSession() as client:
+            async with client.post(url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+                text = (await resp.read()).decode()
+            idle = all(n == 0 for pool in (app[STATE].prefill, app[STATE].decode) for n in pool.outstanding.values())
+            return resp.status, [line[6:] for line in text.split("\n") if line.startswith("data: ")], idle
+
+    status, events, idle = asyncio.run(go())
+    assert status == 200
+    assert json.loads(events[0])["choices"][0]["text"] == str(bad.ready["ok"])
+    assert "the proxy failed: RuntimeError: a bug" in json.loads(events[-1])["error"]["message"]
+    assert idle
 
 
 def test_pull_forwards_the_prefills_params_and_the_request_id_to_the_decode(bad: Proc) -> None:
@@ -184,14 +229,14 @@ def test_push_gives_both_instances_the_same_fresh_token_and_names_the_prefill(ba
 
 LEAK_CASES: list[tuple[str, str, str, dict[str, Any], dict[str, Any], int]] = [
     ("pull", "fail", "ok", BODY, {}, 502), ("pull", "garbage", "ok", BODY, {}, 502),
-    ("pull", "hang", "ok", BODY, {}, 504), ("pull", "reset", "ok", BODY, {}, 502),
+    ("pull", "hang", "ok", BODY, HANG_PREFILL, 504), ("pull", "reset", "ok", BODY, {}, 502),
     ("pull", "ok", "fail", BODY, {}, 502), ("pull", "ok", "garbage", BODY, {}, 502),
-    ("pull", "ok", "hang", BODY, {}, 504), ("pull", "ok", "reset", BODY, {}, 502),
+    ("pull", "ok", "hang", BODY, HANG_DECODE, 504), ("pull", "ok", "reset", BODY, {}, 502),
     ("pull", "ok", "midstream", {**BODY, "stream": True}, {}, 200), ("pull", "ok", "ok", {"model": "tiny"}, {}, 400),
     # push: the leg still running when the other fails must be stopped, not left to its (long) timeout
     ("push", "hang", "fail", BODY, {"prefill_timeout_s": 600.0}, 502),
     ("push", "fail", "hang", BODY, {"decode_timeout_s": 600.0}, 502),
-    ("push", "hang", "ok", BODY, {}, 504),
+    ("push", "hang", "ok", BODY, {"prefill_timeout_s": 3.0}, 504),
 ]
 
 
@@ -207,7 +252,8 @@ def test_failures_leak_no_task_and_no_connection_and_the_proxy_stays_up(bad: Pro
 
     async def go() -> None:
         proxies = [serve_proxy(config(bad, p, d, mode, **kw)) for mode, p, d, _, kw, _ in LEAK_CASES]
-        urls = [(await proxy.__aenter__())[0] for proxy in proxies]
+        served = [await proxy.__aenter__() for proxy in proxies]
+        urls, apps = [url for url, _ in served], [app for _, app in served]
         try:
             async with aiohttp.ClientSession() as client:
 
@@ -225,6 +271,9 @@ def test_failures_leak_no_task_and_no_connection_and_the_proxy_stays_up(bad: Pro
                 for _ in range(3):
                     assert await one_round() == [c[-1] for c in LEAK_CASES]
                 tasks, sockets = await settled(baseline)
+                for app in apps:  # least-outstanding counts: every request ended, on every path
+                    for pool in (app[STATE].prefill, app[STATE].decode):
+                        assert set(pool.outstanding.values()) == {0}, (pool.instances, pool.outstanding)
                 assert tasks <= baseline[0], f"task(s) left: {asyncio.all_tasks() - before}"
                 assert sockets <= baseline[1], f"{sockets - baseline[1]} socket(s) left open"
                 for url in urls:
