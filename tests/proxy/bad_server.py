@@ -4,7 +4,8 @@ One port per behaviour ``B`` (the ready file maps each to its port):
 
 - ``ok`` (and ``ok2``, ``ok3``...): a valid completion (streamed when asked) whose text is the port, with ``kv_transfer_params`` and an
   ``echo`` of the body and ``X-Request-Id`` it got; ``slow``: the same after 1 s;
-- ``fail``: HTTP 500 with a JSON error; ``garbage``: HTTP 200 with a body that is not JSON;
+- ``fail``: HTTP 500 with a JSON error; ``reject``: HTTP 400 with a JSON error (the client's mistake, as vLLM
+  answers a prompt longer than the model's context); ``garbage``: HTTP 200 with a body that is not JSON;
 - ``hang``: reads the request and never answers; ``reset``: resets the connection (RST) without answering;
 - ``midstream``: starts a stream, sends one event, then resets; ``trickle``: sends one event, then nothing.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import struct
 from pathlib import Path
@@ -49,6 +51,8 @@ def behaviour(kind: str, port: int) -> Any:
             return web.Response()
         if kind == "fail":
             return web.json_response({"error": {"message": "engine exploded"}}, status=500)
+        if kind == "reject":
+            return web.json_response({"error": {"message": "prompt too long for this model"}}, status=400)
         if kind == "garbage":
             return web.Response(body=b"<html>not json{", content_type="application/json")
         if kind == "slow":
@@ -97,7 +101,8 @@ async def main(ready: str, kinds: list[str]) -> None:
         await runner.setup()
         await web.SockSite(runner, sock).start()
         ports[kind] = port
-    Path(ready).write_text(json.dumps(ports))
+    Path(f"{ready}.tmp").write_text(json.dumps(ports))
+    os.replace(f"{ready}.tmp", ready)  # the reader sees no file or the whole of it
     await asyncio.Event().wait()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 import uuid
@@ -180,7 +181,8 @@ async def main(args: argparse.Namespace) -> None:
     poller = asyncio.create_task(engine.poll())
     http_port = runner.addresses[0][1]
     ready = {"http_port": http_port, "side_port": getattr(engine.side, "port", 0), "engine_id": args.engine_id}
-    Path(args.ready).write_text(json.dumps(ready))
+    Path(f"{args.ready}.tmp").write_text(json.dumps(ready))
+    os.replace(f"{args.ready}.tmp", args.ready)  # the reader sees no file or the whole of it
     try:
         await asyncio.Event().wait()
     finally:

@@ -24,7 +24,7 @@ from kvplane.proxy.app import SERVING
 
 HERE = Path(__file__).parent
 STARTUP_S = 120.0
-BEHAVIOURS = ("ok", "ok2", "slow", "fail", "garbage", "hang", "reset", "midstream", "trickle")
+BEHAVIOURS = ("ok", "ok2", "slow", "fail", "reject", "garbage", "hang", "reset", "midstream", "trickle")
 
 
 @dataclass
@@ -52,12 +52,11 @@ def spawn(script: str, args: list[str], tmp: Path, name: str) -> Proc:
         popen = subprocess.Popen([sys.executable, str(HERE / script), "--ready", str(ready), *args],
                                  stdout=out, stderr=subprocess.STDOUT, env=env, cwd=HERE)
     end = time.monotonic() + STARTUP_S
-    while not (ready.exists() and ready.read_text()):
+    while not ready.exists():  # written whole by a rename
         if popen.poll() is not None or time.monotonic() > end:
             popen.kill()
             raise AssertionError(f"{script} {args} did not start; log tail:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
-    time.sleep(0.05)  # the file is written whole (json.dumps then one write), read it again to be sure
     return Proc(popen, json.loads(ready.read_text()), log)
 
 
