@@ -46,23 +46,40 @@ class Proc:
 
 
 def spawn(script: str, args: list[str], tmp: Path, name: str) -> Proc:
-    ready, log = tmp / f"{name}.ready", tmp / f"{name}.log"
+    (proc,) = spawn_all([(script, args, name)], tmp)
+    return proc
+
+
+def spawn_all(specs: list[tuple[str, list[str], str]], tmp: Path) -> list[Proc]:
+    """Starts every ``(script, args, name)`` at once (their imports overlap), then waits until all serve; if one
+    does not, all are stopped and the test fails with its log's tail."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        popen = subprocess.Popen([sys.executable, str(HERE / script), "--ready", str(ready), *args],
-                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=HERE)
+    started: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
+    for script, args, name in specs:
+        ready, log = tmp / f"{name}.ready", tmp / f"{name}.log"
+        with log.open("wb") as out:
+            started.append((subprocess.Popen([sys.executable, str(HERE / script), "--ready", str(ready), *args],
+                                             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=HERE), ready, log))
     end = time.monotonic() + STARTUP_S
-    while not ready.exists():  # written whole by a rename
-        if popen.poll() is not None or time.monotonic() > end:
-            popen.kill()
-            raise AssertionError(f"{script} {args} did not start; log tail:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    return Proc(popen, json.loads(ready.read_text()), log)
+    for (script, args, _), (popen, ready, log) in zip(specs, started):
+        while not ready.exists():  # written whole by a rename
+            if popen.poll() is not None or time.monotonic() > end:
+                for other, _, _ in started:
+                    other.kill()
+                    other.wait()
+                raise AssertionError(f"{script} {args} did not start; log tail:\n{log.read_text()[-3000:]}")
+            time.sleep(0.05)
+    return [Proc(popen, json.loads(ready.read_text()), log) for popen, ready, log in started]
+
+
+def engine_spec(role: str, mode: str, transport: str, name: str) -> tuple[str, list[str], str]:
+    return "engine_server.py", ["--role", role, "--mode", mode, "--transport", transport,
+                                "--engine-id", f"{name}-engine"], name
 
 
 def start_engine(tmp: Path, role: str, mode: str, transport: str, name: str) -> Proc:
-    return spawn("engine_server.py", ["--role", role, "--mode", mode, "--transport", transport,
-                                      "--engine-id", f"{name}-engine"], tmp, name)
+    (proc,) = spawn_all([engine_spec(role, mode, transport, name)], tmp)
+    return proc
 
 
 @asynccontextmanager

@@ -16,6 +16,7 @@ import pytest
 from proxyproc import Proc, instance, serve_proxy
 
 from kvplane.proxy import ProxyConfig
+from kvplane.proxy.app import STATE
 
 pytestmark = pytest.mark.integration  # the instances are another process (bad_server.py)
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
@@ -43,25 +44,10 @@ async def request(url: str) -> tuple[int, Any] | str:
         return type(e).__name__
 
 
-def test_a_request_in_flight_at_shutdown_completes(bad: Proc) -> None:
+def shut_down_with_one_in_flight(bad: Proc, decode: str, shutdown_timeout: float) -> Any:
+    """Stops the proxy while one request to ``decode`` is in flight; what its client got."""
     async def go() -> Any:
-        proxy = serve_proxy(config(bad, "slow"), shutdown_timeout=60.0)
-        url, _ = await proxy.__aenter__()
-        try:
-            pending = asyncio.ensure_future(request(url))
-            async with aiohttp.ClientSession() as client:
-                await in_flight(client, url)
-        finally:
-            await asyncio.wait_for(proxy.__aexit__(None, None, None), NEVER_S)
-        return await pending
-
-    status, answer = asyncio.run(go())
-    assert status == 200 and answer["choices"][0]["text"] == str(bad.ready["slow"])
-
-
-def test_a_request_still_in_flight_after_the_shutdown_timeout_fails_and_shutdown_ends(bad: Proc) -> None:
-    async def go() -> Any:
-        proxy = serve_proxy(config(bad, "hang"), shutdown_timeout=0.2)
+        proxy = serve_proxy(config(bad, decode), shutdown_timeout=shutdown_timeout)
         url, _ = await proxy.__aenter__()
         try:
             pending = asyncio.ensure_future(request(url))
@@ -71,7 +57,16 @@ def test_a_request_still_in_flight_after_the_shutdown_timeout_fails_and_shutdown
             await asyncio.wait_for(proxy.__aexit__(None, None, None), NEVER_S)
         return await asyncio.wait_for(pending, NEVER_S)
 
-    assert asyncio.run(go()) == "ServerDisconnectedError"
+    return asyncio.run(go())
+
+
+def test_a_request_in_flight_at_shutdown_completes(bad: Proc) -> None:
+    status, answer = shut_down_with_one_in_flight(bad, "slow", shutdown_timeout=60.0)
+    assert status == 200 and answer["choices"][0]["text"] == str(bad.ready["slow"])
+
+
+def test_a_request_still_in_flight_after_the_shutdown_timeout_fails_and_shutdown_ends(bad: Proc) -> None:
+    assert shut_down_with_one_in_flight(bad, "hang", shutdown_timeout=0.2) == "ServerDisconnectedError"
 
 
 def free_port() -> int:
@@ -119,7 +114,7 @@ def test_a_client_that_leaves_stops_both_legs(bad: Proc) -> None:
     not when the leg times out (their connections close, so vLLM aborts the request on the instances)."""
 
     async def go() -> set[asyncio.Task[Any]]:
-        async with serve_proxy(config(bad, "hang")) as (url, _), aiohttp.ClientSession() as watcher:
+        async with serve_proxy(config(bad, "hang")) as (url, app), aiohttp.ClientSession() as watcher:
             async with watcher.get(f"{url}/health"):  # the watcher's keep-alive connection (and its task) first
                 pass
             before = asyncio.all_tasks()
@@ -134,6 +129,8 @@ def test_a_client_that_leaves_stops_both_legs(bad: Proc) -> None:
                 if not left:
                     break
                 await asyncio.sleep(0.05)
+            for pool in (app[STATE].prefill, app[STATE].decode):  # least-outstanding no longer counts it
+                assert set(pool.outstanding.values()) == {0}, pool.outstanding
             return left
 
     assert asyncio.run(go()) == set()
