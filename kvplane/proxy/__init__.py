@@ -12,9 +12,28 @@ decode's answer back. Built on aiohttp (server and client). The pieces, one idea
 - ``bodies.py``: checking the client's request and building each leg's body;
 - ``flows.py``: pull (prefill, then decode) and push / layer-wise (both at once);
 - ``metrics.py``: the Prometheus metrics; ``app.py``: the aiohttp application; ``cli.py``: the subcommand.
+
+aiohttp and prometheus_client (the ``proxy`` extra) are imported by ``app.py`` only, when the proxy is built.
 """
 
-from kvplane.proxy.app import build_app
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from kvplane.proxy.config import Instance, ProxyConfig
 
+if TYPE_CHECKING:
+    from kvplane.proxy.app import build_app
+
 __all__ = ["Instance", "ProxyConfig", "build_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # aiohttp and prometheus_client come with the `proxy` extra: `kvplane`'s other subcommands import this
+    # package (for the proxy's flags) without them
+    if name == "build_app":
+        from kvplane.proxy.app import build_app
+
+        return build_app
+    raise AttributeError(f"module 'kvplane.proxy' has no attribute {name!r}")

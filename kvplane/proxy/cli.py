@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.config import MODES
 from kvplane.proxy.config import ON_PREFILL_FAILURE, POLICIES, Instance, ProxyConfig
 
@@ -42,11 +43,14 @@ def config_from(args: argparse.Namespace) -> ProxyConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
-    from kvplane.proxy.app import SERVING, build_app
-
     config = config_from(args)
+    try:
+        from aiohttp import web
+
+        from kvplane.proxy.app import SERVING, build_app
+    except ImportError as e:
+        raise KvplaneError(f'kvplane proxy needs aiohttp and prometheus_client ({e}); pip install "kvplane[proxy]"'
+                           ) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvplane.proxy").info(
         "kvplane proxy on %s:%d, mode %s, policy %s, prefill %s, decode %s", config.host, config.port, config.mode,
