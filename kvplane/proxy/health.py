@@ -42,6 +42,11 @@ async def run_checks(session: aiohttp.ClientSession, pools: list[InstancePool], 
     while True:
         await asyncio.sleep(interval_s)
         for pool in pools:
-            results = await asyncio.gather(*(check(session, inst, timeout_s) for inst in pool.instances))
+            results = await asyncio.gather(*(check(session, inst, timeout_s) for inst in pool.instances),
+                                           return_exceptions=True)
             for inst, why in zip(pool.instances, results):
-                record(pool, metrics, inst, not why, why)
+                if isinstance(why, Exception):  # a bug of the proxy: the instance keeps its state, checks go on
+                    logger.error("kvplane proxy: the health check of %s %s failed inside the proxy", inst.role,
+                                 inst.url, exc_info=why)
+                elif isinstance(why, str):
+                    record(pool, metrics, inst, not why, why)

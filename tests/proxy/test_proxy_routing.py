@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from proxyproc import Proc, instance, serve_proxy
 
-from kvplane.proxy import Instance, ProxyConfig
+from kvplane.proxy import Instance, ProxyConfig, health
 from kvplane.proxy.errors import ProxyConfigError
 
 pytestmark = pytest.mark.integration  # the instances are another process (bad_server.py)
@@ -99,6 +99,40 @@ def test_a_failing_health_check_takes_an_instance_out_and_a_passing_one_puts_it_
                 pass
             await asyncio.wait_for(until(True), 30)
             assert {await served_by(client, url) for _ in range(4)} == {str(bad.ready["ok"]), str(bad.ready["ok2"])}
+
+    asyncio.run(go())
+
+
+def test_health_checks_go_on_after_one_fails_inside_the_proxy(bad: Proc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check that raises what it does not expect (a proxy bug) is logged; the checks go on."""
+    real, calls = health.check, []
+
+    async def check_once_broken(session: aiohttp.ClientSession, inst: Instance, timeout_s: float) -> str:
+        calls.append(inst.url)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return await real(session, inst, timeout_s)
+
+    monkeypatch.setattr(health, "check", check_once_broken)
+
+    async def go() -> None:
+        async with serve_proxy(config(bad, ["ok", "ok2"], health_interval_s=0.05)) as (url, _), \
+                aiohttp.ClientSession() as client:
+            ok2 = f"http://127.0.0.1:{bad.ready['ok2']}"
+            async with client.post(f"{ok2}/health/down"):
+                pass
+            try:
+                async def until_down() -> None:
+                    while True:
+                        async with client.get(f"{url}/health") as resp:
+                            if (await resp.json())["decode"][ok2] is False:
+                                return
+                        await asyncio.sleep(0.02)
+
+                await asyncio.wait_for(until_down(), 30)
+            finally:
+                async with client.post(f"{ok2}/health/up"):
+                    pass
 
     asyncio.run(go())
 
