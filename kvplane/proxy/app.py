@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -45,9 +45,28 @@ class ProxyState:
         self.decode = InstancePool(config.decode, config.policy)
         self.session: aiohttp.ClientSession | None = None
         self.health: asyncio.Task[None] | None = None
+        self.push_ids: set[str] = set()  # X-Request-Ids in flight (push modes)
         for pool in (self.prefill, self.decode):
             for inst in pool.instances:
                 self.metrics.instance_up.labels(inst.role, inst.url).set(1)
+
+    @contextlib.contextmanager
+    def naming(self, request_id: str) -> Iterator[None]:
+        """Push modes name the prefill's request by the ``X-Request-Id`` (``bodies.transfer_id``): two in flight
+        with one id would meet at the prefill, so the second is a 409."""
+        if self.config.mode == "pull":
+            yield
+            return
+        if request_id in self.push_ids:
+            raise ProxyError(409, "duplicate_request_id",
+                             f"X-Request-Id {request_id!r} is already in flight through this proxy; --mode "
+                             f"{self.config.mode} names the prefill's request by it: send a unique id per request, "
+                             f"or none (the proxy then draws one)")
+        self.push_ids.add(request_id)
+        try:
+            yield
+        finally:
+            self.push_ids.discard(request_id)
 
     def route(self) -> flows.Route:
         if self.session is None:
@@ -109,7 +128,8 @@ async def _serve(request: web.Request) -> web.StreamResponse:
     try:
         try:
             body = bodies.check_request(path, await _json(request), mode)
-            with state.decode.lease() as d_inst:  # until the answer's last byte: least-outstanding counts it
+            # the decode is leased until the answer's last byte: least-outstanding counts it
+            with state.naming(request_id), state.decode.lease() as d_inst:
                 if mode == "pull":
                     answer, outcome = await flows.pull(state.route(), d_inst, path, body, headers)
                 else:

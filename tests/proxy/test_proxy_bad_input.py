@@ -227,6 +227,25 @@ def test_push_gives_both_instances_the_same_fresh_token_and_names_the_prefill(ba
     assert params["kvplane_token"] != second["echo"]["body"]["kv_transfer_params"]["kvplane_token"]
 
 
+def test_push_answers_409_to_a_second_request_with_an_x_request_id_in_flight(bad: Proc) -> None:
+    """Push names the prefill's request by the X-Request-Id: two at once would meet at the prefill."""
+    async def go() -> list[tuple[int, Any]]:
+        async with serve_proxy(config(bad, "ok", "slow", mode="push")) as (url, _), \
+                aiohttp.ClientSession() as client:
+            first = asyncio.ensure_future(post(url, BODY, headers={"X-Request-Id": "same"}))
+            while True:  # until the first is in flight
+                async with client.get(f"{url}/metrics") as resp:
+                    if "kvplane_proxy_in_flight 1.0" in await resp.text():
+                        break
+                await asyncio.sleep(0.01)
+            second = await post(url, BODY, headers={"X-Request-Id": "same"})
+            return [second, await first, await post(url, BODY, headers={"X-Request-Id": "same"})]
+
+    (status, answer), first, again = asyncio.run(go())
+    error_of(status, answer, 409, "X-Request-Id 'same' is already in flight", "unique")
+    assert first[0] == 200 and again[0] == 200  # the first was served; once it ended, the id is free again
+
+
 LEAK_CASES: list[tuple[str, str, str, dict[str, Any], dict[str, Any], int]] = [
     ("pull", "fail", "ok", BODY, {}, 502), ("pull", "garbage", "ok", BODY, {}, 502),
     ("pull", "hang", "ok", BODY, HANG_PREFILL, 504), ("pull", "reset", "ok", BODY, {}, 502),
