@@ -41,7 +41,8 @@ def check_request(path: str, body: Any, mode: str) -> dict[str, Any]:
         if not isinstance(prompt, (str, list)) or not prompt:
             raise ProxyError(400, "bad_request", f"'prompt' is {_short(prompt)}; give a string or a list of "
                                                  f"token ids")
-        if mode != "pull" and isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
+        several = isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
+        if mode != "pull" and several:  # a list of token ids, or of one prompt, is one prompt
             raise ProxyError(400, "bad_request", f"--mode {mode} serves one prompt per request; 'prompt' is a "
                                                  f"list of {len(prompt)} prompts: send them one by one")
     n = body.get("n", 1)

@@ -94,6 +94,12 @@ def test_push_refuses_several_prompts_in_one_request(bad: Proc) -> None:
     error_of(status, answer, 400, "one prompt per request")
 
 
+@pytest.mark.parametrize("prompt", [["a prompt"], [[1, 2, 3]], [1, 2, 3]])
+def test_push_serves_one_prompt_given_as_a_list(bad: Proc, prompt: Any) -> None:
+    status, answer = run(bad, "ok", "ok2", {"model": "tiny", "prompt": prompt}, mode="push")
+    assert status == 200, answer
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("kind,want_status,words", [
     ("fail", 502, ("HTTP 500", "engine exploded")),
