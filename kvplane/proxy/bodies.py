@@ -1,6 +1,6 @@
 """The client's request, checked, and the body each leg gets.
 
-The prefill leg computes the prompt and one token: ``max_tokens=1``, not streamed, with
+The prefill leg computes the prompt and one token: ``max_tokens=1``, ``n=1``, not streamed, with
 ``kv_transfer_params={"do_remote_decode": true}`` (push modes add the request's ``kvplane_token``). The decode
 leg is the client's request with the ``kv_transfer_params`` that point it at the prefill's KV.
 
@@ -68,6 +68,7 @@ def prefill_body(body: dict[str, Any], token: str = "") -> dict[str, Any]:
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
+    out["n"] = 1  # one copy of the prompt's KV: with n > 1 the prefill would hold n, and the decode pull one
     for key in ("stream_options", "min_tokens"):
         out.pop(key, None)
     params: dict[str, Any] = {"do_remote_decode": True}
