@@ -6,17 +6,19 @@ The proxy runs in the test's own event loop (``serve_proxy``) so tests can count
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from kvplane.proxy import Instance, ProxyConfig, build_app
@@ -24,6 +26,7 @@ from kvplane.proxy.app import SERVING
 
 HERE = Path(__file__).parent
 STARTUP_S = 120.0
+WAIT_S = 60.0
 BEHAVIOURS = ("ok", "ok2", "slow", "fail", "reject", "garbage", "hang", "reset", "midstream", "trickle")
 
 
@@ -96,6 +99,32 @@ async def serve_proxy(config: ProxyConfig, shutdown_timeout: float = 5.0) -> Asy
         yield f"http://127.0.0.1:{port}", app
     finally:
         await runner.cleanup()
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Polls ``check`` until it holds; a condition not met within ``WAIT_S`` fails the test instead of hanging it."""
+    end = asyncio.get_running_loop().time() + WAIT_S
+    while not await check():
+        assert asyncio.get_running_loop().time() < end, f"{what}: not within {WAIT_S:g} s"
+        await asyncio.sleep(0.02)
+
+
+async def until_metric(client: aiohttp.ClientSession, url: str, line: str) -> None:
+    """Until the proxy at ``url`` shows ``line`` at ``/metrics``."""
+    async def shown() -> bool:
+        async with client.get(f"{url}/metrics") as resp:
+            return line in await resp.text()
+
+    await until(shown, f"{line!r} at {url}/metrics")
+
+
+async def until_decode_up(client: aiohttp.ClientSession, url: str, decode: str, up: bool) -> None:
+    """Until the proxy at ``url`` has the decode instance ``decode`` in rotation (``up``) or out of it."""
+    async def seen() -> bool:
+        async with client.get(f"{url}/health") as resp:
+            return bool((await resp.json())["decode"][decode] is up)
+
+    await until(seen, f"decode {decode} up={up} at {url}/health")
 
 
 def socket_count() -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from proxyproc import Proc, instance, serve_proxy, socket_count
+from proxyproc import Proc, instance, serve_proxy, socket_count, until_metric
 
 from kvplane.flows.disagg.tokens import is_token
 from kvplane.proxy import ProxyConfig
@@ -239,11 +239,7 @@ def test_push_answers_409_to_a_second_request_with_an_x_request_id_in_flight(bad
         async with serve_proxy(config(bad, "ok", "slow", mode="push")) as (url, _), \
                 aiohttp.ClientSession() as client:
             first = asyncio.ensure_future(post(url, BODY, headers={"X-Request-Id": "same"}))
-            while True:  # until the first is in flight
-                async with client.get(f"{url}/metrics") as resp:
-                    if "kvplane_proxy_in_flight 1.0" in await resp.text():
-                        break
-                await asyncio.sleep(0.01)
+            await until_metric(client, url, "kvplane_proxy_in_flight 1.0")
             second = await post(url, BODY, headers={"X-Request-Id": "same"})
             return [second, await first, await post(url, BODY, headers={"X-Request-Id": "same"})]
 
@@ -261,7 +257,7 @@ LEAK_CASES: list[tuple[str, str, str, dict[str, Any], dict[str, Any], int]] = [
     # push: the leg still running when the other fails must be stopped, not left to its (long) timeout
     ("push", "hang", "fail", BODY, {"prefill_timeout_s": 600.0}, 502),
     ("push", "fail", "hang", BODY, {"decode_timeout_s": 600.0}, 502),
-    ("push", "hang", "ok", BODY, {"prefill_timeout_s": 3.0}, 504),
+    ("push", "hang", "ok", BODY, HANG_PREFILL, 504),
 ]
 
 
@@ -282,13 +278,13 @@ def test_failures_leak_no_task_and_no_connection_and_the_proxy_stays_up(bad: Pro
         try:
             async with aiohttp.ClientSession() as client:
 
-                async def one_round() -> list[int]:
-                    statuses = []
-                    for url, (_, _, _, body, _, _) in zip(urls, LEAK_CASES):
-                        async with client.post(f"{url}/v1/completions", json=body) as resp:
-                            await resp.read()
-                            statuses.append(resp.status)
-                    return statuses
+                async def one(url: str, body: dict[str, Any]) -> int:
+                    async with client.post(f"{url}/v1/completions", json=body) as resp:
+                        await resp.read()
+                        return resp.status
+
+                async def one_round() -> list[int]:  # every case at once: the proxies serve concurrently
+                    return list(await asyncio.gather(*(one(url, c[3]) for url, c in zip(urls, LEAK_CASES))))
 
                 assert await one_round() == [c[-1] for c in LEAK_CASES]  # pools reach their steady state
                 before = asyncio.all_tasks()

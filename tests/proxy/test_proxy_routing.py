@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from proxyproc import Proc, instance, serve_proxy
+from proxyproc import Proc, instance, serve_proxy, until_decode_up, until_metric
 
 from kvplane.proxy import Instance, ProxyConfig, health
 from kvplane.proxy.errors import ProxyConfigError
@@ -48,11 +48,8 @@ def test_least_outstanding_avoids_the_instance_still_serving(bad: Proc) -> None:
                                shutdown_timeout=0.1) as (url, _), \
                 aiohttp.ClientSession() as client:
             stuck = asyncio.ensure_future(served_by(client, url))  # round-robin order: "hang" first
-            while True:  # until the proxy has sent it (it counts as outstanding from then on)
-                async with client.get(f"{url}/metrics") as resp:
-                    if "kvplane_proxy_leg_seconds_count{leg=\"prefill\"} 1.0" in await resp.text():
-                        break
-                await asyncio.sleep(0.01)
+            # until the proxy has sent it (its decode counts as outstanding from then on)
+            await until_metric(client, url, 'kvplane_proxy_leg_seconds_count{leg="prefill"} 1.0')
             served = [await served_by(client, url) for _ in range(3)]
             stuck.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -82,22 +79,15 @@ def test_a_failing_health_check_takes_an_instance_out_and_a_passing_one_puts_it_
                 aiohttp.ClientSession() as client:
             ok2 = f"http://127.0.0.1:{bad.ready['ok2']}"
 
-            async def until(up: bool) -> None:
-                while True:
-                    async with client.get(f"{url}/health") as resp:
-                        if (await resp.json())["decode"][ok2] is up:
-                            return
-                    await asyncio.sleep(0.02)
-
             async with client.post(f"{ok2}/health/down"):
                 pass
-            await asyncio.wait_for(until(False), 30)
+            await until_decode_up(client, url, ok2, False)
             assert {await served_by(client, url) for _ in range(3)} == {str(bad.ready["ok"])}
             async with client.get(f"{url}/metrics") as resp:
                 assert f'kvplane_proxy_instance_up{{role="decode",url="{ok2}"}} 0.0' in await resp.text()
             async with client.post(f"{ok2}/health/up"):
                 pass
-            await asyncio.wait_for(until(True), 30)
+            await until_decode_up(client, url, ok2, True)
             assert {await served_by(client, url) for _ in range(4)} == {str(bad.ready["ok"]), str(bad.ready["ok2"])}
 
     asyncio.run(go())
@@ -122,14 +112,7 @@ def test_health_checks_go_on_after_one_fails_inside_the_proxy(bad: Proc, monkeyp
             async with client.post(f"{ok2}/health/down"):
                 pass
             try:
-                async def until_down() -> None:
-                    while True:
-                        async with client.get(f"{url}/health") as resp:
-                            if (await resp.json())["decode"][ok2] is False:
-                                return
-                        await asyncio.sleep(0.02)
-
-                await asyncio.wait_for(until_down(), 30)
+                await until_decode_up(client, url, ok2, False)
             finally:
                 async with client.post(f"{ok2}/health/up"):
                     pass

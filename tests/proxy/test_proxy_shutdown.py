@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from proxyproc import Proc, instance, serve_proxy
+from proxyproc import Proc, instance, serve_proxy, until, until_metric
 
 from kvplane.proxy import ProxyConfig
 from kvplane.proxy.app import STATE
@@ -29,11 +29,7 @@ def config(bad: Proc, decode: str) -> ProxyConfig:
 
 
 async def in_flight(client: aiohttp.ClientSession, url: str) -> None:
-    while True:
-        async with client.get(f"{url}/metrics") as resp:
-            if "kvplane_proxy_in_flight 1.0" in await resp.text():
-                return
-        await asyncio.sleep(0.01)
+    await until_metric(client, url, "kvplane_proxy_in_flight 1.0")
 
 
 async def request(url: str) -> tuple[int, Any] | str:
@@ -86,14 +82,15 @@ def test_kvplane_proxy_exits_on_sigterm_with_a_request_in_flight(bad: Proc, tmp_
 
     async def go() -> Any:
         async with aiohttp.ClientSession() as client:
-            while True:
+            async def serving() -> bool:
                 try:
                     async with client.get(f"{url}/health") as resp:
-                        if resp.status == 200:
-                            break
+                        return resp.status == 200
                 except aiohttp.ClientConnectorError:
                     assert proc.poll() is None, (tmp_path / "proxy.log").read_text()
-                await asyncio.sleep(0.05)
+                    return False
+
+            await until(serving, "kvplane proxy serving")
             pending = asyncio.ensure_future(request(url))
             await in_flight(client, url)
         proc.send_signal(signal.SIGTERM)
