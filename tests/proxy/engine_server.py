@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -69,12 +70,17 @@ class Engine:
             if role in ("prefill", "decode") else None
         self.waiting: dict[str, asyncio.Future[Any]] = {}
         self.held: dict[str, list[int]] = {}  # prefill: blocks until the side reports the request
+        self.wake = asyncio.Event()  # set when a request starts waiting on the side
 
     async def call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
 
     async def poll(self) -> None:
         while True:
+            if not (self.waiting or self.held):  # idle: no spinning on a 2-core CI machine; a request wakes it
+                self.wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), 0.5)
             if self.side is not None:
                 for c in await self.call(self.side.get_finished):
                     if c.request_id in self.held:
@@ -116,6 +122,7 @@ class Engine:
         if params.get("do_remote_decode") and self.role == "prefill":
             table = self.blocks(len(prompt))
             self.held[rid] = table
+            self.wake.set()
             out = await self.call(self.prefill, rid, prompt, table, params.get("kvplane_token"))
             tokens, extra = out["tokens"], {"kv_transfer_params": out["kv_transfer_params"]}
         else:
@@ -136,6 +143,7 @@ class Engine:
     async def receive(self, rid: str, params: dict[str, Any], table: list[int], n: int) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting[rid] = future
+        self.wake.set()
         if params.get("kvplane_mode", self.mode) == "pull":
             await self.call(self.side.start_pull, rid, params, {0: table})
         else:
