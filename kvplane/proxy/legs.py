@@ -5,9 +5,9 @@ started (its first bytes; the whole body when not streamed), so that a push flow
 has answered; the caller then streams the rest and closes it. A leg that is cancelled or fails closes its
 connection, which makes vLLM abort the request on that instance.
 
-Causes (the ``cause`` label and the error ``type``): ``<leg>_timeout`` (504), ``<leg>_unreachable``,
-``<leg>_disconnected``, ``<leg>_status`` (the instance answered 5xx; a 4xx goes back to the client with its
-own status), ``<leg>_bad_json`` (502).
+Causes (the ``cause`` label and the error ``type``): ``<leg>_timeout`` (504), ``<leg>_unreachable`` (refused,
+or not connected within ``--connect-timeout``), ``<leg>_disconnected``, ``<leg>_status`` (the instance answered
+5xx; a 4xx goes back to the client with its own status), ``<leg>_bad_json`` (502).
 """
 
 from __future__ import annotations
@@ -27,8 +27,13 @@ Unreachable = Callable[[Instance, str], None]
 
 
 def _failure(leg: str, inst: Instance, path: str, exc: BaseException, timeout_s: float,
-             unreachable: Unreachable) -> ProxyError:
+             unreachable: Unreachable, connect_s: float = 0.0) -> ProxyError:
     where = f"{leg} {inst.url}{path}"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # a host gone from the network: its SYNs go unanswered
+        unreachable(inst, str(exc))
+        return ProxyError(502, f"{leg}_unreachable", f"{where}: cannot connect within {connect_s:g} s "
+                                                     f"(--connect-timeout); it is out of rotation until its "
+                                                     f"GET /health answers again")
     if isinstance(exc, asyncio.TimeoutError):
         return ProxyError(504, f"{leg}_timeout", f"{where} did not answer within {timeout_s:g} s "
                                                  f"(--{leg}-timeout); the request was aborted there")
@@ -68,7 +73,7 @@ async def call_prefill(session: aiohttp.ClientSession, inst: Instance, path: str
                 raise await _status_error("prefill", inst, path, resp)
             raw = await resp.read()
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise _failure("prefill", inst, path, e, timeout_s, unreachable) from None
+        raise _failure("prefill", inst, path, e, timeout_s, unreachable, connect_s) from None
     return parse_json("prefill", inst, path, raw)
 
 
@@ -93,7 +98,7 @@ async def open_decode(session: aiohttp.ClientSession, inst: Instance, path: str,
     try:
         resp = await session.post(f"{inst.url}{path}", json=body, headers=headers, timeout=timeout)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise _failure("decode", inst, path, e, timeout_s, unreachable) from None
+        raise _failure("decode", inst, path, e, timeout_s, unreachable, connect_s) from None
     try:
         if resp.status != 200:
             raise await _status_error("decode", inst, path, resp)
@@ -103,7 +108,7 @@ async def open_decode(session: aiohttp.ClientSession, inst: Instance, path: str,
         return DecodeAnswer(inst, path, resp, first, streamed, timeout_s)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         resp.close()
-        raise _failure("decode", inst, path, e, timeout_s, unreachable) from None
+        raise _failure("decode", inst, path, e, timeout_s, unreachable, connect_s) from None
     except BaseException:
         resp.close()
         raise

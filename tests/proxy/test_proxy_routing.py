@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -147,6 +148,44 @@ def test_an_unreachable_instance_is_taken_out_at_once_and_none_left_is_a_503(bad
     assert first == [502, str(bad.ready["ok"]), str(bad.ready["ok"])]  # then out of rotation
     assert (unreachable, none_up) == (502, 503)
     assert "no decode instance is up" in message and dead in message
+
+
+@contextlib.contextmanager
+def never_accepting() -> Iterator[str]:
+    """The URL of a port whose accept queue is full: a connect there waits, as to a host that dropped off the
+    network (its SYNs go unanswered)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        fillers = []
+        for _ in range(3):  # more than the queue holds
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            for filler in fillers:
+                filler.close()
+
+
+def test_an_instance_that_never_accepts_is_a_502_naming_the_connect_timeout_and_leaves_rotation(bad: Proc) -> None:
+    async def go(silent: str) -> tuple[int, str, list[Any]]:
+        cfg = ProxyConfig(prefill=(instance(bad, "ok", "prefill"),),
+                          decode=(Instance.parse(silent, "decode"), instance(bad, "ok", "decode")),
+                          connect_timeout_s=0.5, health_interval_s=60.0)
+        async with serve_proxy(cfg) as (url, _), aiohttp.ClientSession() as client:
+            async with client.post(f"{url}/v1/completions", json=BODY) as resp:
+                status, message = resp.status, (await resp.json())["error"]["message"]
+            return status, message, [await served_by(client, url) for _ in range(2)]
+
+    with never_accepting() as silent:
+        status, message, then = asyncio.run(go(silent))
+    assert status == 502 and f"decode {silent}" in message and "--connect-timeout" in message, (status, message)
+    assert then == [str(bad.ready["ok"])] * 2  # out of rotation at once
 
 
 @pytest.mark.parametrize("text,words", [
