@@ -6,6 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration  # runs the CLI as its own process
+
 # runs the CLI in a process where importing aiohttp and prometheus_client fails, as where they are not installed
 WITHOUT = ("import sys; sys.modules['aiohttp'] = None; sys.modules['prometheus_client'] = None; "
            "from kvplane.cli.main import main; sys.exit(main(sys.argv[1:]))")
