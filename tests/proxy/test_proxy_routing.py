@@ -74,28 +74,10 @@ def test_least_outstanding_counts_a_decode_until_its_stream_ends(bad: Proc) -> N
     assert asyncio.run(go()) == [str(bad.ready["ok"])] * 3
 
 
-def test_a_failing_health_check_takes_an_instance_out_and_a_passing_one_puts_it_back(bad: Proc) -> None:
-    async def go() -> None:
-        async with serve_proxy(config(bad, ["ok", "ok2"], health_interval_s=0.05)) as (url, app), \
-                aiohttp.ClientSession() as client:
-            ok2 = f"http://127.0.0.1:{bad.ready['ok2']}"
-
-            async with client.post(f"{ok2}/health/down"):
-                pass
-            await until_decode_up(client, url, ok2, False)
-            assert {await served_by(client, url) for _ in range(3)} == {str(bad.ready["ok"])}
-            async with client.get(f"{url}/metrics") as resp:
-                assert f'kvplane_proxy_instance_up{{role="decode",url="{ok2}"}} 0.0' in await resp.text()
-            async with client.post(f"{ok2}/health/up"):
-                pass
-            await until_decode_up(client, url, ok2, True)
-            assert {await served_by(client, url) for _ in range(4)} == {str(bad.ready["ok"]), str(bad.ready["ok2"])}
-
-    asyncio.run(go())
-
-
-def test_health_checks_go_on_after_one_fails_inside_the_proxy(bad: Proc, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A check that raises what it does not expect (a proxy bug) is logged; the checks go on."""
+@pytest.mark.parametrize("broken_once", [False, True], ids=["checks", "after-a-check-raised"])
+def test_a_failing_health_check_takes_an_instance_out_and_a_passing_one_puts_it_back(
+        bad: Proc, monkeypatch: pytest.MonkeyPatch, broken_once: bool) -> None:
+    """Also after a check raised what it does not expect (a proxy bug): it is logged and the checks go on."""
     real, calls = health.check, []
 
     async def check_once_broken(session: aiohttp.ClientSession, inst: Instance, timeout_s: float) -> str:
@@ -104,7 +86,8 @@ def test_health_checks_go_on_after_one_fails_inside_the_proxy(bad: Proc, monkeyp
             raise RuntimeError("a bug")
         return await real(session, inst, timeout_s)
 
-    monkeypatch.setattr(health, "check", check_once_broken)
+    if broken_once:
+        monkeypatch.setattr(health, "check", check_once_broken)
 
     async def go() -> None:
         async with serve_proxy(config(bad, ["ok", "ok2"], health_interval_s=0.05)) as (url, _), \
@@ -114,9 +97,14 @@ def test_health_checks_go_on_after_one_fails_inside_the_proxy(bad: Proc, monkeyp
                 pass
             try:
                 await until_decode_up(client, url, ok2, False)
+                assert {await served_by(client, url) for _ in range(3)} == {str(bad.ready["ok"])}
+                async with client.get(f"{url}/metrics") as resp:
+                    assert f'kvplane_proxy_instance_up{{role="decode",url="{ok2}"}} 0.0' in await resp.text()
             finally:
                 async with client.post(f"{ok2}/health/up"):
                     pass
+            await until_decode_up(client, url, ok2, True)
+            assert {await served_by(client, url) for _ in range(4)} == {str(bad.ready["ok"]), str(bad.ready["ok2"])}
 
     asyncio.run(go())
 
