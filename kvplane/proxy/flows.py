@@ -15,6 +15,7 @@ request to the decode alone (outcome ``fallback``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -69,25 +70,39 @@ def _returned_params(inst: Instance, path: str, answer: dict[str, Any]) -> dict[
     return params
 
 
+def _may_fall_back(route: Route, e: ProxyError) -> bool:
+    """A prefill failure (none up included) the decode then serves alone, with ``--on-prefill-failure
+    decode-only``; a 4xx is the client's mistake and goes back to it."""
+    if route.config.on_prefill_failure != "decode-only" or e.status < 500:
+        return False
+    route.metrics.errors.labels(e.cause).inc()
+    return True
+
+
 async def pull(route: Route, d_inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
                ) -> tuple[DecodeAnswer, str]:
-    with route.prefill.lease() as p_inst:
-        try:
+    try:
+        with route.prefill.lease() as p_inst:
             answer = await _prefill(route, p_inst, path, bodies.prefill_body(body), headers)
             params: dict[str, Any] | None = _returned_params(p_inst, path, answer)
             outcome = "ok"
-        except ProxyError as e:
-            if route.config.on_prefill_failure != "decode-only" or e.status < 500:
-                raise
-            route.metrics.errors.labels(e.cause).inc()
-            params, outcome = None, "fallback"
+    except ProxyError as e:
+        if not _may_fall_back(route, e):
+            raise
+        params, outcome = None, "fallback"
     return await _decode(route, d_inst, path, bodies.decode_body(body, params), headers), outcome
 
 
 async def push(route: Route, d_inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str],
                request_id: str) -> tuple[DecodeAnswer, str]:
     token = new_token()
-    with route.prefill.lease() as p_inst:
+    with contextlib.ExitStack() as held:
+        try:
+            p_inst = held.enter_context(route.prefill.lease())
+        except ProxyError as e:  # none up
+            if not _may_fall_back(route, e):
+                raise
+            return await _decode(route, d_inst, path, bodies.decode_body(body, None), headers), "fallback"
         params = bodies.push_params(p_inst, path, request_id, route.config.mode, token)
         decoding = asyncio.ensure_future(_decode(route, d_inst, path, bodies.decode_body(body, params), headers))
         prefilling = asyncio.ensure_future(_prefill(route, p_inst, path, bodies.prefill_body(body, token), headers))
@@ -102,9 +117,8 @@ async def push(route: Route, d_inst: Instance, path: str, body: dict[str, Any], 
                 if decode_first:
                     e = ProxyError(e.status, e.cause, f"{e.message}; the decode {d_inst.url} had answered before "
                                                       f"the prefill, which then failed: its answer was dropped")
-                if route.config.on_prefill_failure != "decode-only" or e.status < 500:
+                if not _may_fall_back(route, e):
                     raise e from None
-                route.metrics.errors.labels(e.cause).inc()
                 await _cancel(decoding)
                 return await _decode(route, d_inst, path, bodies.decode_body(body, None), headers), "fallback"
             return await decoding, "ok"

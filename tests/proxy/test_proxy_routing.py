@@ -16,6 +16,7 @@ import pytest
 from proxyproc import Proc, instance, serve_proxy, until_decode_up, until_metric
 
 from kvplane.proxy import Instance, ProxyConfig, health
+from kvplane.proxy.app import STATE
 from kvplane.proxy.errors import ProxyConfigError
 
 pytestmark = pytest.mark.integration  # the instances are another process (bad_server.py)
@@ -136,6 +137,22 @@ def test_an_unreachable_instance_is_taken_out_at_once_and_none_left_is_a_503(bad
     assert first == [502, str(bad.ready["ok"]), str(bad.ready["ok"])]  # then out of rotation
     assert (unreachable, none_up) == (502, 503)
     assert "no decode instance is up" in message and dead in message
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_decode_only_fallback_serves_while_no_prefill_is_up(bad: Proc, mode: str) -> None:
+    dead = dead_url()
+    prefill = Instance.parse(f"{dead},engine_id=p,side_channel=127.0.0.1:5600" if mode != "pull" else dead, "prefill")
+
+    async def go() -> tuple[list[Any], bool]:
+        cfg = ProxyConfig(prefill=(prefill,), decode=(instance(bad, "ok", "decode"),), mode=mode,  # type: ignore[arg-type]
+                          on_prefill_failure="decode-only", health_interval_s=60.0)
+        async with serve_proxy(cfg) as (url, app), aiohttp.ClientSession() as client:
+            # the first finds the prefill unreachable (it leaves rotation), the second finds none up
+            return [await served_by(client, url) for _ in range(2)], app[STATE].prefill.up[dead]
+
+    served, up = asyncio.run(go())
+    assert not up and served == [str(bad.ready["ok"])] * 2
 
 
 @contextlib.contextmanager
