@@ -66,7 +66,7 @@ def test_least_outstanding_avoids_the_instance_still_serving(bad: Proc) -> None:
 def test_least_outstanding_counts_a_decode_until_its_stream_ends(bad: Proc) -> None:
     """A stream that has started is still outstanding: the next requests go to the idle instance."""
     async def go() -> list[Any]:
-        async with serve_proxy(config(bad, ["trickle", "ok"], "least-outstanding", decode_timeout_s=5.0),
+        async with serve_proxy(config(bad, ["trickle", "ok"], "least-outstanding", decode_timeout_s=60.0),
                                shutdown_timeout=0.1) as (url, _), aiohttp.ClientSession() as client:
             async with client.post(f"{url}/v1/completions", json={**BODY, "stream": True}) as streaming:
                 await streaming.content.readany()  # its first event has passed through the proxy
