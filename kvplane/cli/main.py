@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     from kvplane.cli.conformance import add_arguments
 
     add_arguments(sub.add_parser("conformance", help="certify a backend: run the conformance suite, print a report"))
+    from kvplane.proxy.cli import add_arguments as add_proxy_arguments
+
+    add_proxy_arguments(sub.add_parser("proxy", help="OpenAI-compatible P/D router (docs/proxy.md)"))
     return p
 
 
@@ -38,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             data = collect()
             print(json.dumps(data, indent=2) if args.json else render(data))
             return 0
+        if args.command == "proxy":
+            from kvplane.proxy.cli import run as run_proxy
+
+            return run_proxy(args)
         if args.command == "conformance":
             from kvplane.cli.conformance import run
 

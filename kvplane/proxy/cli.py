@@ -1,0 +1,60 @@
+"""``kvplane proxy``: the subcommand's flags, and serving the app until SIGINT / SIGTERM.
+
+On a signal aiohttp stops accepting, gives in-flight requests ``--shutdown-timeout`` seconds, then cancels the
+rest (their legs' connections close, so the instances abort them) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvplane.errors import KvplaneError
+from kvplane.flows.disagg.config import MODES
+from kvplane.proxy.config import ON_PREFILL_FAILURE, POLICIES, Instance, ProxyConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", action="append", required=True, metavar="URL[,engine_id=ID,side_channel=H:P]",
+                   help="a prefill instance (repeat for several); push modes need engine_id and side_channel")
+    p.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode instance (repeat)")
+    p.add_argument("--mode", choices=MODES, default="pull", help="kvplane's disagg.mode on the instances")
+    p.add_argument("--policy", choices=POLICIES, default="round-robin", help="instance selection")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for the whole prefill leg")
+    p.add_argument("--decode-timeout", type=float, default=300.0, help="seconds without a byte from the decode")
+    p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between GET /health checks")
+    p.add_argument("--on-prefill-failure", choices=ON_PREFILL_FAILURE, default="error",
+                   help="answer an error, or let the decode compute the prompt itself")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on exit")
+
+
+def config_from(args: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(
+        prefill=tuple(Instance.parse(t, "prefill") for t in args.prefill),
+        decode=tuple(Instance.parse(t, "decode") for t in args.decode),
+        mode=args.mode, policy=args.policy, host=args.host, port=args.port,
+        prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
+        connect_timeout_s=args.connect_timeout, health_interval_s=args.health_interval,
+        on_prefill_failure=args.on_prefill_failure, shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from(args)
+    try:
+        from aiohttp import web
+
+        from kvplane.proxy.app import SERVING, build_app
+    except ImportError as e:
+        raise KvplaneError(f'kvplane proxy needs aiohttp and prometheus_client ({e}); pip install "kvplane[proxy]"'
+                           ) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvplane.proxy").info(
+        "kvplane proxy on %s:%d, mode %s, policy %s, prefill %s, decode %s", config.host, config.port, config.mode,
+        config.policy, [i.url for i in config.prefill], [i.url for i in config.decode])
+    web.run_app(build_app(config), host=config.host, port=config.port, shutdown_timeout=config.shutdown_timeout_s,
+                print=None, **SERVING)
+    return 0

@@ -1,0 +1,116 @@
+"""What the proxy routes to and how: ``Instance`` (one engine's URL and side channel) and ``ProxyConfig``.
+
+Push and layer-wise need, per prefill instance, what a decode must be told before the prefill has run: the
+engine id (vLLM: ``kv_transfer_config.engine_id``, set it on the prefill's command line), the side-channel host
+and base port (kvplane's ``disagg.host`` / ``disagg.port``) and the TP size. The proxy learns them from its own
+command line, one ``--prefill`` per instance::
+
+    --prefill http://10.0.0.7:8100,engine_id=prefill-0,side_channel=10.0.0.7:5600,tp_size=1
+
+(``side_channel`` defaults to the URL's host with no port, which pull mode does not need.) Every check runs at
+startup and names the flag, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit
+
+from kvplane.flows.disagg.config import MODES, Mode
+from kvplane.proxy.errors import ProxyConfigError
+
+Policy = Literal["round-robin", "least-outstanding"]
+POLICIES: tuple[Policy, ...] = ("round-robin", "least-outstanding")
+OnPrefillFailure = Literal["error", "decode-only"]
+ON_PREFILL_FAILURE: tuple[OnPrefillFailure, ...] = ("error", "decode-only")
+INSTANCE_KEYS = ("engine_id", "side_channel", "tp_size")
+
+
+@dataclass(frozen=True)
+class Instance:
+    url: str  # http://host:port, no path
+    role: str  # "prefill" or "decode"
+    engine_id: str = ""
+    side_host: str = ""
+    side_port: int = 0
+    tp_size: int = 1
+
+    @classmethod
+    def parse(cls, text: str, role: str) -> Instance:
+        """``URL[,engine_id=ID][,side_channel=HOST:PORT][,tp_size=N]`` (the ``--prefill`` / ``--decode`` value)."""
+        url, *options = [part.strip() for part in text.split(",")]
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            raise ProxyConfigError(f"--{role} {text!r}: {url!r} is not an instance URL; give http://HOST:PORT "
+                                   f"(the address of its `vllm serve`, without a path)")
+        values: dict[str, str] = {}
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep or key not in INSTANCE_KEYS:
+                raise ProxyConfigError(f"--{role} {text!r}: option {option!r} is not KEY=VALUE with KEY one of "
+                                       f"{INSTANCE_KEYS}")
+            values[key] = value
+        side_host, side_port = parts.hostname, 0
+        if "side_channel" in values:
+            host, sep, port = values["side_channel"].rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ProxyConfigError(f"--{role} {text!r}: side_channel={values['side_channel']!r} is not "
+                                       f"HOST:PORT (kvplane's disagg.host and disagg.port of that instance)")
+            side_host, side_port = host, int(port)
+        tp = values.get("tp_size", "1")
+        if not tp.isdigit() or int(tp) < 1:
+            raise ProxyConfigError(f"--{role} {text!r}: tp_size={tp!r} is not a positive integer")
+        return cls(url.rstrip("/"), role, values.get("engine_id", ""), side_host, side_port, int(tp))
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The proxy's settings (``kvplane proxy --help`` lists them as flags).
+
+    ``prefill_timeout_s`` bounds the whole prefill leg. ``decode_timeout_s`` bounds the wait for each byte of
+    the decode's answer (a long generation that keeps streaming is never cut), and in push modes the wait for
+    the first one. ``on_prefill_failure`` is ``error`` (a 502/504 naming the prefill) or ``decode-only`` (the
+    decode computes the prompt itself). In-flight requests get ``shutdown_timeout_s`` to finish on SIGTERM.
+    """
+
+    prefill: tuple[Instance, ...]
+    decode: tuple[Instance, ...]
+    mode: Mode = "pull"
+    policy: Policy = "round-robin"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_timeout_s: float = 120.0
+    decode_timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    on_prefill_failure: OnPrefillFailure = "error"
+    shutdown_timeout_s: float = 30.0
+    max_body_bytes: int = 64 << 20
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ProxyConfigError(f"the proxy needs at least one --prefill and one --decode instance, got "
+                                   f"{len(self.prefill)} and {len(self.decode)}")
+        if self.mode not in MODES:
+            raise ProxyConfigError(f"--mode {self.mode!r}: use one of {MODES}")
+        if self.policy not in POLICIES:
+            raise ProxyConfigError(f"--policy {self.policy!r}: use one of {POLICIES}")
+        if self.on_prefill_failure not in ON_PREFILL_FAILURE:
+            raise ProxyConfigError(f"--on-prefill-failure {self.on_prefill_failure!r}: use one of "
+                                   f"{ON_PREFILL_FAILURE}")
+        for name in ("prefill_timeout_s", "decode_timeout_s", "connect_timeout_s", "health_interval_s",
+                     "health_timeout_s", "shutdown_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ProxyConfigError(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.mode != "pull":
+            for inst in self.prefill:
+                if not inst.engine_id or not inst.side_port:
+                    raise ProxyConfigError(
+                        f"--mode {self.mode} needs each prefill's engine id and side channel, --prefill {inst.url} "
+                        f"has engine_id={inst.engine_id!r}, side_channel port={inst.side_port}; give "
+                        f"--prefill {inst.url},engine_id=ID,side_channel=HOST:PORT (the prefill's "
+                        f"kv_transfer_config.engine_id and kvplane disagg.host:disagg.port)"
+                    )

@@ -1,0 +1,33 @@
+"""The proxy's Prometheus metrics, in a registry of its own (served at ``/metrics``).
+
+- ``kvplane_proxy_requests_total{endpoint, mode, outcome}``: requests answered (``ok``, ``error``, ``fallback``);
+- ``kvplane_proxy_leg_seconds{leg}``: time of each leg (``prefill``, ``decode`` to its last byte, ``total``);
+- ``kvplane_proxy_errors_total{cause}``: failures by cause (``prefill_timeout``, ``decode_bad_json``, ...);
+- ``kvplane_proxy_in_flight``: requests being served; ``kvplane_proxy_instance_up{role, url}``: health;
+- ``kvplane_proxy_instance_requests_total{role, url}``: requests sent to each instance.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvplane_proxy_requests", "Requests answered by the proxy",
+                                ["endpoint", "mode", "outcome"], registry=self.registry)
+        self.leg_seconds = Histogram("kvplane_proxy_leg_seconds", "Time of each leg of a request", ["leg"],
+                                     buckets=BUCKETS, registry=self.registry)
+        self.errors = Counter("kvplane_proxy_errors", "Failed requests by cause", ["cause"],
+                              registry=self.registry)
+        self.in_flight = Gauge("kvplane_proxy_in_flight", "Requests being served", registry=self.registry)
+        self.instance_up = Gauge("kvplane_proxy_instance_up", "1 while the instance passes its health checks",
+                                 ["role", "url"], registry=self.registry)
+        self.instance_requests = Counter("kvplane_proxy_instance_requests", "Requests sent to each instance",
+                                         ["role", "url"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
