@@ -61,14 +61,17 @@ class Pair:
     """Prefill in ``link.a``, decode in ``link.b``, each on a bare cache of ``spec`` with a seeded pattern."""
 
     def __init__(self, link: Link, tmp: Path, engine: str, mode: str, spec: KVSpec, num_blocks: int,
-                 **extra: Any) -> None:
+                 decode_env: dict[str, str] | None = None, decode_host: str = "", **extra: Any) -> None:
         self.link, self.engine, self.mode, self.spec = link, engine, mode, spec
         self.prefill = NsProcess(link.a, tmp / "prefill.log", engine_env(link.a, engine))
-        self.decode = NsProcess(link.b, tmp / "decode.log", engine_env(link.b, engine))
+        self.decode = NsProcess(link.b, tmp / "decode.log", {**engine_env(link.b, engine), **(decode_env or {})})
         blob = msgspec.msgpack.encode(spec)
         for proc, role, side, seed in ((self.prefill, "prefill", link.a, 7), (self.decode, "decode", link.b, 0)):
+            settings = config(role, side, engine, mode, **extra)
+            if role == "decode" and decode_host:
+                settings["host"] = decode_host  # what it advertises to the prefill
             reply = proc.ask(cmd="setup_cache", role=role, spec=blob, layout="packed_kv", num_blocks=num_blocks,
-                             seed=seed, config=config(role, side, engine, mode, **extra))
+                             seed=seed, config=settings)
             assert "error" not in reply, reply
             if role == "prefill":
                 self.port = reply["base_port"]

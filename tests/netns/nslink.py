@@ -107,6 +107,24 @@ class Link:
             side.run("iptables", "-A", "INPUT", "-i", side.dev, "-m", "statistic", "--mode", "random",
                      "--probability", f"{probability}", "-j", "DROP")
 
+    def netem(self, *args: str) -> str:
+        """``tc qdisc ... netem`` on both ends; "" when done, else why not (this kernel has no netem)."""
+        for side in (self.a, self.b):
+            done = side.run("tc", "qdisc", "replace", "dev", side.dev, "root", "netem", *args, check=False)
+            if done.returncode != 0:
+                return f"tc netem: {done.stderr.strip()}"
+        return ""
+
+    def unreachable_address(self) -> tuple[str, str]:
+        """``(address, device)`` of namespace ``b`` that ``a`` has no route to: a second veth pair, both ends in
+        ``b`` (this kernel has no ``dummy`` device)."""
+        addr, dev = f"10.78.{self.index}.2", f"kvx{self.index}"
+        self.b.run("ip", "link", "add", dev, "type", "veth", "peer", "name", f"kvy{self.index}")
+        self.b.run("ip", "addr", "add", f"{addr}/32", "dev", dev)
+        for name in (dev, f"kvy{self.index}"):
+            self.b.run("ip", "link", "set", name, "up")
+        return addr, dev
+
     def close(self) -> None:
         for side in (self.a, self.b):
             _run("ip", "netns", "del", side.netns, check=False)
