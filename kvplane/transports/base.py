@@ -69,7 +69,7 @@ class Transfer(ABC):
 class Transport(ABC):
     name: ClassVar[str]
     engine_limit: ClassVar[int]  # descriptors per batch the engine accepts by default
-    generation: int = 0  # ``reset`` calls so far; ``peer_info()`` may differ after each
+    generation: int = 0  # bumped by each ``reset`` and each restart: ``peer_info()`` may differ after each
 
     def __init__(self, backend: Backend, config: TransportConfig | None = None, *, agent_name: str = "") -> None:
         self.backend = backend
@@ -111,6 +111,11 @@ class Transport(ABC):
         connected under the same handles, and ``peer_info()`` may change (peers that write here must load it
         again). Raises ``TransportError`` when the engine could not be torn down in time."""
         raise TransportError(f"the {self.name} transport cannot reset its engine")
+
+    def restart(self) -> bool:
+        """Start the engine again if a ``reset`` could not (a device still down); True when it runs. Cheap
+        while a back-off runs; the flow's transfer thread calls it until it is True."""
+        return True
 
     def transfer(self, peer: str, op: Op, plan: CopyPlan, notify: bytes | None = None) -> None:
         """``submit`` then ``wait`` with the configured deadline."""

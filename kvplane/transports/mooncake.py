@@ -43,7 +43,7 @@ INSTALL_HINT = (
     "never both, they install the same module"
 )
 TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"  # Mooncake's own bound on a blocking status call, seconds, at least 5
-RESTART_BACKOFF_MAX_S = 5.0
+RESTART_BACKOFF_MAX_S = 1.0
 logger = logging.getLogger("kvplane.transports")
 
 
@@ -132,7 +132,8 @@ class MooncakeTransport(Transport):
 
     def peer_info(self) -> PeerInfo:
         self._check_open("peer_info")
-        self._live()
+        if self._engine is None:  # started again by restart() (the flow's transfer thread), not here
+            raise TransportError("the mooncake engine is down since a reset; no descriptor yet")
         return PeerInfo(
             engine=self.name,
             name=self._self_name,
@@ -260,6 +261,15 @@ class MooncakeTransport(Transport):
         except TransportError:  # the fence holds; the engine starts again on a later call
             pass
 
+    def restart(self) -> bool:
+        if self._closed:
+            return True
+        try:
+            self._live()
+        except TransportError:
+            return False
+        return True
+
     def _live(self) -> Any:
         """The engine; after a reset whose restart failed, start it again (at most once per back-off) on the
         same memory."""
@@ -286,6 +296,7 @@ class MooncakeTransport(Transport):
             self._rpc_port = int(fresh.get_rpc_port())
             self._self_name = f"{self.config.host}:{self._rpc_port}"
             self._failures = 0
+            self.generation += 1
         logger.warning("mooncake engine started again after a reset, now %s", self._self_name)
         return fresh
 

@@ -38,7 +38,8 @@ from kvplane.transports.nixl_transfer import NixlTransfer
 MODULES = ("nixl_cu12", "nixl_cu13")
 INSTALL_HINT = "pip install nixl-cu12 (or nixl-cu13 on CUDA 13 machines)"
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}  # same-host peers: UCX on lo moves data by cma (single copy)
-RESTART_BACKOFF_MAX_S = 5.0
+RESTART_BACKOFF_MAX_S = 1.0
+RESTART_WAIT_S = 2.0  # how long connect() waits for an agent that is starting again after a reset
 logger = logging.getLogger("kvplane.transports")
 
 
@@ -78,6 +79,7 @@ class NixlTransport(Transport):
         self._spans: list[tuple[int, int]] = []
         self._peer_spans: dict[str, list[tuple[int, int]] | None] = {}
         self._peer_metadata: dict[str, bytes] = {}
+        self._unloaded: set[str] = set()  # peers whose metadata a restarted agent could not load yet
         self._transfers: list[NixlTransfer] = []
         self._closed = False
 
@@ -133,7 +135,9 @@ class NixlTransport(Transport):
     def peer_info(self) -> PeerInfo:
         self._check_open("peer_info")
         with self.lock:
-            md = bytes(self._live().get_agent_metadata())
+            if self.agent is None:  # started again by restart() (the flow's transfer thread), not here
+                raise TransportError(f"the NIXL agent is down since a reset ({self._down}); no descriptor yet")
+            md = bytes(self.agent.get_agent_metadata())
         return PeerInfo(engine=self.name, name=self.agent_name, host=self.config.host, metadata=md,
                         spans=tuple(self._spans))
 
@@ -148,7 +152,7 @@ class NixlTransport(Transport):
         with self.lock:
             if peer.name in self._peer_spans:  # a restarted peer: load its new metadata afresh
                 self._forget(peer.name)
-            agent = self._live()
+            agent = self._live(wait_s=RESTART_WAIT_S)
             try:
                 loaded = agent.add_remote_agent(peer.metadata)
             except Exception as e:
@@ -167,6 +171,8 @@ class NixlTransport(Transport):
         op = check_op(op)
         if peer not in self._peer_spans:
             raise PeerUnreachable(f"NIXL peer {peer!r} is not connected; call connect(peer_info) first")
+        if peer in self._unloaded:
+            self._reload(peer)
         check_plan(op, plan, self._spans, self._peer_spans[peer], peer)
         chunks = chunk_bounds(len(plan), batch_size(self.config, self.engine_limit))
         with self.lock:
@@ -229,9 +235,31 @@ class NixlTransport(Transport):
             raise TransportError(f"NIXL agent {self.agent_name!r} is still referenced after a reset; its queued "
                                  f"transfers could still land (a kvplane bug)")
 
-    def _live(self) -> Any:
+    def restart(self) -> bool:
+        with self.lock:
+            if self._closed:
+                return True
+            try:
+                self._live()
+            except TransportError:
+                return False
+        return True
+
+    def _live(self, wait_s: float = 0.0) -> Any:
         """The agent; after a reset whose restart failed (UCX finds no usable device while a link is down),
-        start it again, at most once per back-off, on the same memory and peers. Under ``self.lock``."""
+        start it again, at most once per back-off, on the same memory and peers; waiting up to ``wait_s`` for
+        a due retry (``connect`` runs on a probe thread: a link just back up gets its device a moment later).
+        Under ``self.lock``."""
+        until = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._start_again()
+            except TransportError:
+                if self._retry_at > until:
+                    raise
+                time.sleep(max(0.0, self._retry_at - time.monotonic()))
+
+    def _start_again(self) -> Any:
         if self.agent is not None:
             return self.agent
         if time.monotonic() < self._retry_at:
@@ -248,20 +276,36 @@ class NixlTransport(Transport):
             logger.warning("NIXL agent %s did not start again after a reset (%s); retried with back-off",
                            self.agent_name, e)
             raise
-        for name, metadata in list(self._peer_metadata.items()):
+        self._unloaded = set(self._peer_metadata)
+        for name in list(self._unloaded):
             try:
-                agent.add_remote_agent(metadata)
-            except Exception:  # a peer that restarted meanwhile: its next handshake brings new metadata
-                self._peer_spans.pop(name, None)
-                self._peer_metadata.pop(name, None)
+                self._reload(name)
+            except PeerUnreachable:  # loaded again on its next transfer, or replaced by its next handshake
+                pass
         self._down, self._failures = "", 0
-        logger.warning("NIXL agent %s started again after a reset; %d peers reloaded (the others handshake "
-                       "again)", self.agent_name, len(self._peer_metadata))
+        self.generation += 1
+        logger.warning("NIXL agent %s started again after a reset; %d of %d peers loaded again (the others on "
+                       "their next transfer or handshake)", self.agent_name,
+                       len(self._peer_metadata) - len(self._unloaded), len(self._peer_metadata))
         return agent
+
+    def _reload(self, peer: str) -> None:
+        """Load a connected peer's metadata into an agent started after a reset. Under ``self.lock``."""
+        try:
+            self._live().add_remote_agent(self._peer_metadata[peer])
+        except Exception as e:
+            raise PeerUnreachable(
+                f"NIXL peer {peer!r} could not be loaded again after a reset ({type(e).__name__}: {e}); it is "
+                f"retried on the next transfer, and its next handshake replaces it"
+            ) from e
+        self._unloaded.discard(peer)
 
     def _forget(self, peer: str) -> None:
         self._peer_spans.pop(peer, None)
         self._peer_metadata.pop(peer, None)
+        if peer in self._unloaded:  # the restarted agent never loaded it: nothing to remove
+            self._unloaded.discard(peer)
+            return
         if self.agent is None:
             return
         try:

@@ -27,7 +27,7 @@ STARTUP_S = 120.0
 
 
 class NsProcess(FramedProcess):
-    """``FramedProcess`` run inside a namespace."""
+    """``FramedProcess`` run inside a namespace; an ``env`` value of "" unsets the variable."""
 
     def __init__(self, side: Side, log: Path, env: dict[str, str]) -> None:
         self.log = log
@@ -36,7 +36,7 @@ class NsProcess(FramedProcess):
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(
                 [*side.exec_prefix(), sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=err, env={**os.environ, "PYTHONPATH": path, **env},
+                stderr=err, env={k: v for k, v in {**os.environ, "PYTHONPATH": path, **env}.items() if v},
             )
         self._pending = b""
         self.read(STARTUP_S)
@@ -60,10 +60,11 @@ def config(role: str, side: Side, engine: str, mode: str, **extra: Any) -> dict[
 class Pair:
     """Prefill in ``link.a``, decode in ``link.b``, each on a bare cache of ``spec`` with a seeded pattern."""
 
-    def __init__(self, link: Link, tmp: Path, engine: str, mode: str, spec: KVSpec, num_blocks: int,
-                 decode_env: dict[str, str] | None = None, decode_host: str = "", **extra: Any) -> None:
+    def __init__(self, link: Link | Any, tmp: Path, engine: str, mode: str, spec: KVSpec, num_blocks: int,
+                 decode_env: dict[str, str] | None = None, decode_host: str = "",
+                 prefill_env: dict[str, str] | None = None, **extra: Any) -> None:
         self.link, self.engine, self.mode, self.spec = link, engine, mode, spec
-        self.prefill = NsProcess(link.a, tmp / "prefill.log", engine_env(link.a, engine))
+        self.prefill = NsProcess(link.a, tmp / "prefill.log", {**engine_env(link.a, engine), **(prefill_env or {})})
         self.decode = NsProcess(link.b, tmp / "decode.log", {**engine_env(link.b, engine), **(decode_env or {})})
         blob = msgspec.msgpack.encode(spec)
         for proc, role, side, seed in ((self.prefill, "prefill", link.a, 7), (self.decode, "decode", link.b, 0)):

@@ -207,7 +207,8 @@ class DecodeSide:
         lifetime differs from the one a request names (it restarted)."""
         conn = self._conns.get((host, port))
         hello = self.local.handshake()  # made again (and the engine started again) after a reset
-        if conn is not None and conn.state == "ready" and (conn.stale or conn.generation != self.local.generation):
+        if conn is not None and conn.state == "ready" and \
+                (conn.stale or conn.generation != self.local.transport.generation):
             self._rehandshake(conn)
         stale = conn is not None and conn.state == "ready" and boot_id and conn.record is not None \
             and conn.record.boot_id != boot_id
@@ -225,6 +226,9 @@ class DecodeSide:
         """A transport was reset since this connection handshook: handshake again on the same socket, so the
         prefill rank loads this rank's new descriptor and this rank its (either may have changed)."""
         conn.stale, conn.state, conn.started = False, "handshaking", time.monotonic()
+        conn.deferred = self.local.generation != self.local.transport.generation
+        if conn.deferred:  # this rank's engine is not running again yet: _check_deadlines sends it then
+            return
         conn.generation = self.local.generation
         logger.warning("decode rank %d: reconnecting prefill rank %d at %s:%d (a transport was reset)",
                        self.config.rank, conn.rank, conn.host, conn.port)
@@ -358,7 +362,7 @@ class DecodeSide:
                 self._maybe_start(want)
 
     def _conn_failed(self, conn: Conn, reason: str) -> None:
-        conn.state, conn.error = "failed", reason
+        conn.state, conn.error, conn.deferred = "failed", reason, False
         logger.warning("decode rank %d: prefill rank at %s:%d: %s", self.config.rank, conn.host, conn.port, reason)
         for rid in list(conn.waiting):
             want = self._wants.get(rid)
@@ -445,9 +449,16 @@ class DecodeSide:
 
     def _check_deadlines(self, now: float) -> None:
         for conn in list(self._conns.values()):
+            if conn.deferred and conn.state == "handshaking":
+                self.local.handshake()  # made again once the engine runs
+                if self.local.generation == self.local.transport.generation:
+                    conn.deferred = False
+                    self._rehandshake(conn)
             if conn.state in ("handshaking", "probing") and now - conn.started > self.config.handshake_timeout_s:
-                self._conn_failed(conn, f"no answer to the handshake within {self.config.handshake_timeout_s} s; "
-                                        f"is the prefill instance running and reachable?")
+                self._conn_failed(conn, "this rank's transfer engine did not start again after a reset within "
+                                        f"handshake_timeout_s={self.config.handshake_timeout_s}" if conn.deferred
+                                  else f"no answer to the handshake within {self.config.handshake_timeout_s} s; "
+                                       f"is the prefill instance running and reachable?")
         for want in list(self._wants.values()):
             if want.waiting_staging and want.phase is Phase.CONNECT and want.state is None:
                 self._starter.start(want)

@@ -12,7 +12,9 @@ unsettled (timed out while the engine kept it queued, as over a link that is dow
 transport (``Transport.reset``), which ends everything in flight through it, before any of those callbacks
 run; ``fence`` asks for the same reset from the loop (a push whose writer is out of reach). ``on_reset`` then
 runs on the loop, so the side can have peers load its new transport descriptor. A reset that fails is
-retried every ``RESET_RETRY_S``, and the plans stay unreported meanwhile.
+retried every ``RESET_RETRY_S``, and the plans stay unreported meanwhile. An engine that cannot start again at
+once (UCX finds no usable device while the link is down) is started from here, with the transport's back-off,
+and ``on_reset`` runs again when it does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvplane.transports.base import Op, Transport
 logger = logging.getLogger("kvplane.disagg")
 POLL_S = 0.0005  # how often transfers in flight are polled; a new plan wakes the thread at once
 RESET_RETRY_S = 1.0
+RESTART_POLL_S = 0.1  # an engine a reset left down is tried this often (the transport keeps its own back-off)
 
 
 class Mover:
@@ -43,6 +46,7 @@ class Mover:
         self._on_reset = on_reset
         self._fences: list[Callable[[], None]] = []  # asked for by the loop
         self._retry_reset_at = 0.0
+        self._down = False  # reset, and the engine could not start again yet
         self.resets = 0
         self._inbox: deque[tuple[str, CopyPlan, Callback]] = deque()
         self._wake = threading.Condition()
@@ -84,8 +88,8 @@ class Mover:
         while True:
             with self._wake:
                 while not self._inbox and not self._outbox.busy and not self._stopping and not self._fences \
-                        and not self._outbox.unsettled:
-                    self._wake.wait(RESET_RETRY_S)
+                        and not self._outbox.unsettled and not self._down:
+                    self._wake.wait()
                 if self._stopping:
                     return
                 items = list(self._inbox)
@@ -98,8 +102,15 @@ class Mover:
                 logger.exception("kvplane transfer thread: pump failed; carrying on")
             if (self._outbox.unsettled or self._fences) and time.monotonic() >= self._retry_reset_at:
                 self._reset()
-            if self._outbox.busy or self._outbox.unsettled or self._fences:
-                pause = POLL_S if self._outbox.busy else max(POLL_S, self._retry_reset_at - time.monotonic())
+            if self._down and self._transport.restart():
+                self._down = False
+                logger.warning("kvplane %s: the %s engine runs again", self._thread.name, self._transport.name)
+                if self._on_reset is not None:
+                    on_reset = self._on_reset
+                    self._deliver(lambda: on_reset("the engine started again"))
+            if self._outbox.busy or self._outbox.unsettled or self._fences or self._down:
+                pause = POLL_S if self._outbox.busy else \
+                    RESTART_POLL_S if self._down else max(POLL_S, self._retry_reset_at - time.monotonic())
                 with self._wake:
                     if not self._inbox and not self._stopping:
                         self._wake.wait(pause)
@@ -122,6 +133,7 @@ class Mover:
                 self._fences[:0] = fences
             return
         self.resets += 1
+        self._down = not self._transport.restart()  # a device still down: started again from _run
         logger.warning("kvplane %s: the %s engine was reset in %.2f s (%s); nothing queued before can land",
                        self._thread.name, self._transport.name, time.monotonic() - started, why)
         self._outbox.release_unsettled(f"the {self._transport.name} engine was reset")

@@ -31,6 +31,7 @@ class Conn:
     state: str = "handshaking"  # -> "probing" (connecting the transport) -> "ready" | "failed"
     stale: bool = False  # ready, but a transport was reset since: handshake again before the next request
     generation: int = 0  # of this rank's engine when the handshake was sent
+    deferred: bool = False  # handshaking again, sent once this rank's engine runs again after a reset
     record: PeerRecord | None = None
     error: str = ""
     waiting: set[str] = field(default_factory=set)
