@@ -225,7 +225,7 @@ class MooncakeTransport(Transport):
         drain = Deadline.after(self.config.timeout_s + 5)  # Mooncake ends each call by its own timeout
         lingering = [t for t in transfers if not t.join(drain.remaining())]
         engine, self._engine = self._engine, None
-        if self._spans and not lingering:
+        if self._spans and not lingering and engine is not None:  # None: down since a reset
             engine.batch_unregister_memory([a for a, _ in self._spans])
         self._spans = []
         del engine  # the binding's destructor closes segments and stops the engine's threads
