@@ -96,7 +96,7 @@ class DecodeSide:
         self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick, self._publish)
         self._guard = Guard(self._loop.context, curve_keys(config, "decode"))
         self._mover = Mover(f"kvplane-decode-{config.rank}-transfers", self.local.transport, "READ",
-                            config.max_inflight, self._loop.submit, self._on_reset)
+                            config.max_inflight, self._loop.submit, on_reset=self._on_reset)
         self._starter = Starter(self)
         self._prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
         self._loop.start()
