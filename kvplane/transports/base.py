@@ -20,6 +20,7 @@ import msgspec
 
 from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
+from kvplane.errors import TransportError
 
 Op = Literal["READ", "WRITE"]
 DEFAULT_TIMEOUT_S = 30.0
@@ -56,10 +57,19 @@ class Transfer(ABC):
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until done; ``TransferTimeout`` past the deadline, ``TransferFailed`` on failure."""
 
+    @property
+    def settled(self) -> bool:
+        """Whether the engine can no longer move a byte of this transfer: it finished, the engine reported it
+        terminal, or the engine was reset. A transfer that timed out while the engine still had it queued is not
+        settled: it may resume (a link that comes back) and write the destination. Engines that can leave a
+        failed transfer running override this; until a failed transfer settles, its destination is not free."""
+        return True
+
 
 class Transport(ABC):
     name: ClassVar[str]
     engine_limit: ClassVar[int]  # descriptors per batch the engine accepts by default
+    generation: int = 0  # bumped by each ``reset`` and each restart: ``peer_info()`` may differ after each
 
     def __init__(self, backend: Backend, config: TransportConfig | None = None, *, agent_name: str = "") -> None:
         self.backend = backend
@@ -94,6 +104,18 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Unregister memory and release the engine. Idempotent."""
+
+    def reset(self) -> None:
+        """The fence: tear the engine down and start a fresh one on the same memory. Once it returns, no
+        transfer submitted before can read or write local memory (each ends failed and settled); peers stay
+        connected under the same handles, and ``peer_info()`` may change (peers that write here must load it
+        again). Raises ``TransportError`` when the engine could not be torn down in time."""
+        raise TransportError(f"the {self.name} transport cannot reset its engine")
+
+    def restart(self) -> bool:
+        """Start the engine again if a ``reset`` could not (a device still down); True when it runs. Cheap
+        while a back-off runs; the flow's transfer thread calls it until it is True."""
+        return True
 
     def transfer(self, peer: str, op: Op, plan: CopyPlan, notify: bytes | None = None) -> None:
         """``submit`` then ``wait`` with the configured deadline."""

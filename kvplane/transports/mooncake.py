@@ -8,6 +8,11 @@ one chunk per peer at a time, each retried with back-off. ``notify`` rides on th
 (``batch_transfer_sync`` with a ``TransferNotify``), which Mooncake posts to the peer only once that batch has
 completed, and the last chunk starts only after every earlier one completed.
 
+``reset`` is the fence for batches Mooncake may still move after their status call gave up: it waits for the
+engine calls in flight to return (bounded by Mooncake's own timeout), destroys the engine (its TCP sessions
+close, so nothing queued before can land here) and starts a fresh one on the same memory. Its RPC port, so
+``peer_info()``, changes: a peer that writes here must learn it again (a new handshake).
+
 Notification bytes travel as Mooncake strings: kvplane sends ``msg.decode("latin-1")``, so any bytes survive
 the UTF-8 round trip, and decodes what arrives with ``latin-1`` (UTF-8 when a foreign sender used characters
 beyond U+00FF).
@@ -16,9 +21,11 @@ beyond U+00FF).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib import metadata
@@ -30,13 +37,15 @@ from kvplane.errors import PeerUnreachable, PlanError, TransportError, Transport
 from kvplane.logs import quiet_engine_logs
 from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
 from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
-from kvplane.transports.mooncake_transfer import MooncakeTransfer
+from kvplane.transports.mooncake_transfer import NOT_SUBMITTED, MooncakeTransfer
 
 INSTALL_HINT = (
     "pip install mooncake-transfer-engine-non-cuda (CPU machines) or mooncake-transfer-engine (CUDA); "
     "never both, they install the same module"
 )
 TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"  # Mooncake's own bound on a blocking status call, seconds, at least 5
+RESTART_BACKOFF_MAX_S = 1.0
+logger = logging.getLogger("kvplane.transports")
 
 
 def _import_engine() -> Any:
@@ -75,6 +84,9 @@ class MooncakeTransport(Transport):
         self._transfers: list[MooncakeTransfer] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.generation = 0  # resets so far: peer_info() differs after each
+        self._retry_at = 0.0
+        self._failures = 0
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -112,7 +124,7 @@ class MooncakeTransport(Transport):
         if not new:
             return
         location = self.backend.mooncake_location()
-        rc = self._engine.batch_register_memory([a for a, _ in new], [n for _, n in new], location)
+        rc = self._live().batch_register_memory([a for a, _ in new], [n for _, n in new], location)
         if rc != 0:
             raise TransportError(
                 f"mooncake batch_register_memory of {len(new)} spans at location={location!r} returned {rc}; "
@@ -122,6 +134,8 @@ class MooncakeTransport(Transport):
 
     def peer_info(self) -> PeerInfo:
         self._check_open("peer_info")
+        if self._engine is None:  # started again by restart() (the flow's transfer thread), not here
+            raise TransportError("the mooncake engine is down since a reset; no descriptor yet")
         return PeerInfo(
             engine=self.name,
             name=self._self_name,
@@ -136,7 +150,7 @@ class MooncakeTransport(Transport):
             raise TransportError(
                 f"PeerInfo.engine={peer.engine!r} but this transport is {self.name!r}; both ranks must use one"
             )
-        rc = self._engine.send_probe(peer.name)
+        rc = self._live().send_probe(peer.name)
         if rc != 0:
             raise PeerUnreachable(
                 f"mooncake peer {peer.name!r} did not answer a probe (rc={rc}); is its process running and "
@@ -154,6 +168,7 @@ class MooncakeTransport(Transport):
             raise PlanError(f"mooncake carries notify={notify!r} on a transfer, and the plan is empty; "
                             f"send the notify with the last non-empty plan")
         chunks = chunk_bounds(len(plan), batch_size(self.config, self.engine_limit))
+        self._live()
         move = functools.partial(self.move, peer, op)
         transfer = MooncakeTransfer(move, self.config, peer, op, plan, chunks, notify,
                                     Deadline.after(self.config.timeout_s))
@@ -169,7 +184,7 @@ class MooncakeTransport(Transport):
         with self._peer_lock(peer):
             engine = self._engine
             if engine is None:
-                return -1
+                return NOT_SUBMITTED
             if notify is not None:
                 opcode = self._mc.TransferOpcode.Read if op == "READ" else self._mc.TransferOpcode.Write
                 note = self._mc.TransferNotify(self._self_name, notify.decode("latin-1"))
@@ -177,7 +192,7 @@ class MooncakeTransport(Transport):
             start = engine.batch_transfer_async_read if op == "READ" else engine.batch_transfer_async_write
             batch = start(peer, local, remote, lengths)
             if not batch:  # 0: the engine could not open the peer's segment or refused the batch
-                return -1
+                return NOT_SUBMITTED
             return int(engine.get_batch_transfer_status([batch]))
 
     @contextmanager
@@ -190,7 +205,10 @@ class MooncakeTransport(Transport):
     def notifications(self) -> list[tuple[str, bytes]]:
         self._check_open("notifications")
         out: list[tuple[str, bytes]] = []
-        for note in self._engine.get_notifies():
+        engine = self._engine
+        if engine is None:  # being reset
+            return out
+        for note in engine.get_notifies():
             msg: str = note.msg
             try:
                 out.append((str(note.name), msg.encode("latin-1")))
@@ -209,10 +227,80 @@ class MooncakeTransport(Transport):
         drain = Deadline.after(self.config.timeout_s + 5)  # Mooncake ends each call by its own timeout
         lingering = [t for t in transfers if not t.join(drain.remaining())]
         engine, self._engine = self._engine, None
-        if self._spans and not lingering:
+        if self._spans and not lingering and engine is not None:  # None: down since a reset
             engine.batch_unregister_memory([a for a, _ in self._spans])
         self._spans = []
         del engine  # the binding's destructor closes segments and stops the engine's threads
+
+    def reset(self) -> None:
+        self._check_open("reset")
+        with self._lock:
+            transfers, self._transfers = self._transfers, []
+        for transfer in transfers:
+            transfer.cancel()
+        bound_s = max(5, math.ceil(self.config.timeout_s)) + 5  # past Mooncake's own status timeout
+        drain = Deadline.after(bound_s)
+        lingering = [t for t in transfers if not t.join(drain.remaining())]
+        if lingering:
+            with self._lock:
+                self._transfers = lingering + self._transfers
+            raise TransportError(
+                f"mooncake reset: {len(lingering)} engine calls still running after {bound_s} s; the engine "
+                f"cannot be torn down under them"
+            )
+        with self._lock:
+            engine, self._engine = self._engine, None
+            self._retry_at, self._failures = 0.0, 0
+        if engine is not None:
+            if self._spans:
+                engine.batch_unregister_memory([a for a, _ in self._spans])
+            del engine  # closes the engine's TCP sessions: no batch queued before can land here any more
+        self.generation += 1
+        for transfer in transfers:
+            transfer.engine_reset()
+        try:
+            self._live()
+        except TransportError:  # the fence holds; the engine starts again on a later call
+            pass
+
+    def restart(self) -> bool:
+        if self._closed:
+            return True
+        try:
+            self._live()
+        except TransportError:
+            return False
+        return True
+
+    def _live(self) -> Any:
+        """The engine; after a reset whose restart failed, start it again (at most once per back-off) on the
+        same memory."""
+        with self._lock:
+            if self._engine is not None:
+                return self._engine
+            if time.monotonic() < self._retry_at:
+                raise TransportError(f"the mooncake engine is down since a reset; it is started again in "
+                                     f"{self._retry_at - time.monotonic():.1f} s")
+            try:
+                fresh = self._start_engine()
+                if self._spans:
+                    location = self.backend.mooncake_location()
+                    rc = fresh.batch_register_memory([a for a, _ in self._spans], [n for _, n in self._spans],
+                                                     location)
+                    if rc != 0:
+                        raise TransportError(f"registering {len(self._spans)} spans again returned {rc}")
+            except TransportError as e:
+                self._failures += 1
+                self._retry_at = time.monotonic() + min(RESTART_BACKOFF_MAX_S, 0.1 * 2 ** self._failures)
+                logger.warning("mooncake engine did not start again after a reset (%s); retried with back-off", e)
+                raise
+            self._engine = fresh
+            self._rpc_port = int(fresh.get_rpc_port())
+            self._self_name = f"{self.config.host}:{self._rpc_port}"
+            self._failures = 0
+            self.generation += 1
+        logger.warning("mooncake engine started again after a reset, now %s", self._self_name)
+        return fresh
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -4,6 +4,10 @@
 back-off) and ``move``, one engine batch to the peer; the transfer knows nothing else of the transport. Callers
 only see ``poll``/``wait``. The thread exists because Mooncake's binding offers no non-blocking status for a
 batch; it blocks in C++ with the GIL released.
+
+A batch whose status call failed may still be moving: Mooncake's status gives up at its own timeout while the
+slices stay queued on their TCP session, and a link that comes back resumes them. Such a transfer ends
+unsettled (``settled`` False), even when a retry then succeeded, until the transport resets the engine.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from kvplane.errors import TransferFailed, TransferTimeout, TransportError
 from kvplane.transports.base import Op, Transfer, TransportConfig
 from kvplane.transports.batching import Deadline, backoff_s, local_remote
 
-# one engine batch to the peer: (local, remote, lengths, notify) -> 0 when every descriptor landed
+# one engine batch to the peer: (local, remote, lengths, notify) -> 0 when every descriptor landed,
+# NOT_SUBMITTED when nothing reached the engine, anything else when the engine failed it (it may still move)
+NOT_SUBMITTED = -2
 MoveBatch = Callable[[list[int], list[int], list[int], "bytes | None"], int]
 
 
@@ -40,6 +46,8 @@ class MooncakeTransfer(Transfer):
         self._error: TransportError | None = None
         self._cancelled = threading.Event()
         self._done = threading.Event()
+        self._unsettled = False  # an engine batch failed: its slices may still be queued in the engine
+        self._engine_gone = False
         self._thread = threading.Thread(target=self._run, name=f"kvplane-mooncake-{op.lower()}", daemon=True)
 
     # -- caller side --------------------------------------------------------------------------------------
@@ -52,6 +60,14 @@ class MooncakeTransfer(Transfer):
     @property
     def finished(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def settled(self) -> bool:
+        return self._done.is_set() and (not self._unsettled or self._engine_gone)
+
+    def engine_reset(self) -> None:
+        """The transport tore the engine down after this transfer's thread ended: nothing of it can move."""
+        self._engine_gone = True
 
     def poll(self) -> bool:
         if not self._done.is_set():
@@ -103,6 +119,8 @@ class MooncakeTransfer(Transfer):
             rc = self._move(local, remote, lengths, notify)
             if rc == 0:
                 return
+            if rc != NOT_SUBMITTED:
+                self._unsettled = True
             if attempt < config.retries:
                 pause = min(backoff_s(config, attempt), self._deadline.remaining())
                 if self._cancelled.wait(pause):

@@ -7,14 +7,23 @@ own progress thread moves the bytes, and ``poll`` checks the state, starts the n
 ``notify`` is attached to the last chunk, which starts only after every earlier one is done; NIXL delivers a
 request's notification once its data has landed. The package is ``nixl_cu12`` or ``nixl_cu13`` (both run
 CPU-only), imported on first use. Methods may be called from several threads (one lock guards the agent).
+
+``reset`` is the fence for a transfer NIXL left in flight (a timeout while the link is down): it drops the
+agent, which closes its UCX workers and their connections, so nothing queued before can land; then it starts
+an agent of the same name on the same memory and loads every connected peer's metadata again (same handles).
+Its own metadata changes: a peer that writes here must load it again (a new handshake).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
+import logging
 import os
 import threading
+import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +39,9 @@ from kvplane.transports.nixl_transfer import NixlTransfer
 MODULES = ("nixl_cu12", "nixl_cu13")
 INSTALL_HINT = "pip install nixl-cu12 (or nixl-cu13 on CUDA 13 machines)"
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}  # same-host peers: UCX on lo moves data by cma (single copy)
+RESTART_BACKOFF_MAX_S = 1.0
+RESTART_WAIT_S = 2.0  # how long connect() waits for an agent that is starting again after a reset
+logger = logging.getLogger("kvplane.transports")
 
 
 def _import_nixl() -> tuple[Any, str]:
@@ -59,9 +71,17 @@ class NixlTransport(Transport):
         self.dev_id = 0 if self.mem_type == "DRAM" else backend.device_index
         self.lock = threading.RLock()
         self.agent: Any = self._start_agent()
+        self.generation = 0  # resets so far: peer_info() differs after each
+        self._old: weakref.ref[Any] | None = None  # the agent a reset dropped, until confirmed gone
+        self._down = ""  # why no agent runs (a reset whose restart failed); retried from _live()
+        self._retry_at = 0.0
+        self._failures = 0
         self._regs: list[Any] = []
+        self._registered: list[list[tuple[int, int]]] = []  # each register() call's spans, for a reset
         self._spans: list[tuple[int, int]] = []
         self._peer_spans: dict[str, list[tuple[int, int]] | None] = {}
+        self._peer_metadata: dict[str, bytes] = {}
+        self._unloaded: set[str] = set()  # peers whose metadata a restarted agent could not load yet
         self._transfers: list[NixlTransfer] = []
         self._closed = False
 
@@ -100,19 +120,25 @@ class NixlTransport(Transport):
         if not new:
             return
         with self.lock:
-            try:
-                reg = self.agent.register_memory([(a, n, self.dev_id, "") for a, n in new], self.mem_type)
-            except Exception as e:
-                raise TransportError(
-                    f"NIXL register_memory of {len(new)} spans as {self.mem_type} (dev {self.dev_id}) failed: "
-                    f"{type(e).__name__}: {e}; spans must be {self.mem_type} memory not registered before"
-                ) from e
-        self._regs.append(reg)
+            self._live()
+            self._regs.append(self._register(new))
+        self._registered.append(new)
         self._spans.extend(new)
+
+    def _register(self, spans: list[tuple[int, int]]) -> Any:
+        try:
+            return self.agent.register_memory([(a, n, self.dev_id, "") for a, n in spans], self.mem_type)
+        except Exception as e:
+            raise TransportError(
+                f"NIXL register_memory of {len(spans)} spans as {self.mem_type} (dev {self.dev_id}) failed: "
+                f"{type(e).__name__}: {e}; spans must be {self.mem_type} memory not registered before"
+            ) from e
 
     def peer_info(self) -> PeerInfo:
         self._check_open("peer_info")
         with self.lock:
+            if self.agent is None:  # started again by restart() (the flow's transfer thread), not here
+                raise TransportError(f"the NIXL agent is down since a reset ({self._down}); no descriptor yet")
             md = bytes(self.agent.get_agent_metadata())
         return PeerInfo(engine=self.name, name=self.agent_name, host=self.config.host, metadata=md,
                         spans=tuple(self._spans))
@@ -128,8 +154,9 @@ class NixlTransport(Transport):
         with self.lock:
             if peer.name in self._peer_spans:  # a restarted peer: load its new metadata afresh
                 self._forget(peer.name)
+            agent = self._live(wait_s=RESTART_WAIT_S)
             try:
-                loaded = self.agent.add_remote_agent(peer.metadata)
+                loaded = agent.add_remote_agent(peer.metadata)
             except Exception as e:
                 raise PeerUnreachable(
                     f"NIXL could not load agent {peer.name!r} at {peer.host} ({type(e).__name__}: {e}); "
@@ -137,6 +164,7 @@ class NixlTransport(Transport):
                 ) from e
         name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         self._peer_spans[name] = list(peer.spans) if peer.spans else None
+        self._peer_metadata[name] = peer.metadata
         return name
 
     # -- transfers ----------------------------------------------------------------------------------------
@@ -145,11 +173,14 @@ class NixlTransport(Transport):
         op = check_op(op)
         if peer not in self._peer_spans:
             raise PeerUnreachable(f"NIXL peer {peer!r} is not connected; call connect(peer_info) first")
+        if peer in self._unloaded:
+            self._reload(peer)
         check_plan(op, plan, self._spans, self._peer_spans[peer], peer)
         chunks = chunk_bounds(len(plan), batch_size(self.config, self.engine_limit))
-        transfer = NixlTransfer(self, peer, op, plan, chunks, notify, Deadline.after(self.config.timeout_s))
         with self.lock:
             self._check_open("submit")  # close() may have run since the check above
+            transfer = NixlTransfer(self._live(), self.lock, (self.mem_type, self.dev_id), self.config, peer, op,
+                                    plan, chunks, notify, Deadline.after(self.config.timeout_s))
             self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
             transfer.start()
         return transfer
@@ -157,6 +188,8 @@ class NixlTransport(Transport):
     def notifications(self) -> list[tuple[str, bytes]]:
         self._check_open("notifications")
         with self.lock:
+            if self.agent is None:  # down since a reset: nothing can have arrived
+                return []
             notes: dict[str, list[bytes]] = self.agent.get_new_notifs()
         return [(str(sender), bytes(msg)) for sender, msgs in notes.items() for msg in msgs]
 
@@ -166,11 +199,11 @@ class NixlTransport(Transport):
                 return
             self._closed = True
             for transfer in self._transfers:
-                transfer.cancel()
+                transfer.abandon()
             self._transfers = []
             for peer in list(self._peer_spans):
                 self._forget(peer)
-            for reg in self._regs:
+            for reg in self._regs if self.agent is not None else []:
                 try:
                     self.agent.deregister_memory(reg)
                 except Exception:  # close() must finish: the agent's destructor releases what is left
@@ -178,8 +211,105 @@ class NixlTransport(Transport):
             self._regs, self._spans = [], []
             self.agent = None  # drops the agent: UCX workers and ports close with it
 
+    def reset(self) -> None:
+        self._check_open("reset")
+        with self.lock:
+            for transfer in self._transfers:
+                transfer.abandon()
+            self._transfers = []
+            self._drop_agent()
+            self._old = None
+            self.generation += 1
+            self._regs, self._down, self._retry_at, self._failures = [], "reset", 0.0, 0
+            try:
+                self._live()
+            except TransportError:  # the fence holds; the agent starts again on a later call
+                pass
+
+    def _drop_agent(self) -> None:
+        """Destroy the agent, and confirm it: its destructor closes the UCX workers and their connections, so
+        nothing it queued can land once it is gone. Raises when something still holds it."""
+        if self.agent is not None:
+            self._old = weakref.ref(self.agent)
+        self.agent, self._regs = None, []
+        gc.collect()
+        if self._old is not None and self._old() is not None:
+            raise TransportError(f"NIXL agent {self.agent_name!r} is still referenced after a reset; its queued "
+                                 f"transfers could still land (a kvplane bug)")
+
+    def restart(self) -> bool:
+        with self.lock:
+            if self._closed:
+                return True
+            try:
+                self._live()
+            except TransportError:
+                return False
+        return True
+
+    def _live(self, wait_s: float = 0.0) -> Any:
+        """The agent; after a reset whose restart failed (UCX finds no usable device while a link is down),
+        start it again, at most once per back-off, on the same memory and peers; waiting up to ``wait_s`` for
+        a due retry (``connect`` runs on a probe thread: a link just back up gets its device a moment later).
+        Under ``self.lock``."""
+        until = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._start_again()
+            except TransportError:
+                if self._retry_at > until:
+                    raise
+                time.sleep(max(0.0, self._retry_at - time.monotonic()))
+
+    def _start_again(self) -> Any:
+        if self.agent is not None:
+            return self.agent
+        if time.monotonic() < self._retry_at:
+            raise TransportError(f"the NIXL agent is down since a reset ({self._down}); it is started again "
+                                 f"in {self._retry_at - time.monotonic():.1f} s")
+        try:
+            agent = self._start_agent()
+            self.agent = agent
+            self._regs = [self._register(spans) for spans in self._registered]
+        except TransportError as e:
+            self.agent, self._down = None, str(e)
+            self._failures += 1
+            self._retry_at = time.monotonic() + min(RESTART_BACKOFF_MAX_S, 0.1 * 2 ** self._failures)
+            logger.warning("NIXL agent %s did not start again after a reset (%s); retried with back-off",
+                           self.agent_name, e)
+            raise
+        self._unloaded = set(self._peer_metadata)
+        for name in list(self._unloaded):
+            try:
+                self._reload(name)
+            except PeerUnreachable:  # loaded again on its next transfer, or replaced by its next handshake
+                pass
+        self._down, self._failures = "", 0
+        self.generation += 1
+        logger.warning("NIXL agent %s started again after a reset; %d of %d peers loaded again (the others on "
+                       "their next transfer or handshake)", self.agent_name,
+                       len(self._peer_metadata) - len(self._unloaded), len(self._peer_metadata))
+        return agent
+
+    def _reload(self, peer: str) -> None:
+        """Load a connected peer's metadata into an agent started after a reset. Under ``self.lock``."""
+        try:
+            self._live().add_remote_agent(self._peer_metadata[peer])
+        except Exception as e:
+            raise PeerUnreachable(
+                f"NIXL peer {peer!r} could not be loaded again after a reset ({type(e).__name__}: {e}); it is "
+                f"retried on the next transfer, and its next handshake replaces it"
+            ) from e
+        self._unloaded.discard(peer)
+
     def _forget(self, peer: str) -> None:
         self._peer_spans.pop(peer, None)
+        self._peer_metadata.pop(peer, None)
+        if peer in self._unloaded:  # the restarted agent never loaded it: nothing to remove
+            self._unloaded.discard(peer)
+            return
+        if self.agent is None:
+            return
         try:
             self.agent.remove_remote_agent(peer)
         except Exception:  # already invalidated (the peer disconnected)

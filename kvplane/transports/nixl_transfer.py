@@ -1,9 +1,13 @@
 """One plan in flight through NIXL: a state machine over its chunks, advanced by ``poll``.
 
-``NixlTransport.submit`` creates it and posts the first chunk. Each ``poll`` checks the request in flight
-(``check_xfer_state``), releases it when it ends, posts the next chunk, and resubmits a failed one after
-back-off. Refusals that no retry can fix (an address NIXL finds in no registration, a peer that disconnected)
-fail at once.
+``NixlTransport.submit`` creates it, handing it what it needs (the agent, the lock that guards it, the memory
+type, the config), and posts the first chunk. Each ``poll`` checks the request in flight (``check_xfer_state``),
+releases it when it ends, posts the next chunk, and resubmits a failed one after back-off. Refusals that no
+retry can fix (an address NIXL finds in no registration, a peer that disconnected) fail at once.
+
+A request still in flight at the deadline is not released: UCX keeps what it queued (over TCP, a link that
+comes back resumes it), and releasing the handle does not stop it. The transfer fails unsettled (``settled``
+is False) and keeps its handle until the transport resets the agent (``abandon``), the fence that ends it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from kvplane.transports.base import Op, Transfer
 from kvplane.transports.batching import Deadline, backoff_s, descriptor_table, local_remote
 
 if TYPE_CHECKING:
-    from kvplane.transports.nixl import NixlTransport
+    from threading import RLock
+
+    from kvplane.transports.base import TransportConfig
 
 POLL_INTERVAL_S = 0.0002  # wait() sleeps this long between polls; NIXL's progress thread moves the data
 PERMANENT = ("nixlNotFoundError", "nixlInvalidParamError", "nixlRemoteDisconnectError")
@@ -30,7 +36,10 @@ class _Permanent(Exception):
 class NixlTransfer(Transfer):
     def __init__(
         self,
-        transport: NixlTransport,
+        agent: Any,
+        lock: RLock,
+        memory: tuple[str, int],
+        config: TransportConfig,
         peer: str,
         op: Op,
         plan: CopyPlan,
@@ -38,7 +47,8 @@ class NixlTransfer(Transfer):
         notify: bytes | None,
         deadline: Deadline,
     ) -> None:
-        self._transport, self._peer, self._op = transport, peer, op
+        self._agent, self._lock, self._config, self._peer, self._op = agent, lock, config, peer, op
+        self._mem_type, self._dev_id = memory
         self._local, self._remote = local_remote(op, plan)
         self._length = plan.length
         self._chunks, self._notify, self._deadline = chunks, notify, deadline
@@ -48,17 +58,22 @@ class NixlTransfer(Transfer):
         self._handle: Any = None
         self._error: TransportError | None = None
         self._done = False
+        self._unsettled = False  # failed while NIXL still had a request in flight
 
     @property
     def finished(self) -> bool:
         return self._done or self._error is not None
+
+    @property
+    def settled(self) -> bool:
+        return not self._unsettled
 
     # -- caller side --------------------------------------------------------------------------------------
     def start(self) -> None:
         if not self._chunks:
             if self._notify is not None:  # nothing to move: the notification alone
                 try:
-                    self._transport.agent.send_notif(self._peer, self._notify)
+                    self._agent.send_notif(self._peer, self._notify)
                 except Exception as e:
                     self._error = TransferFailed(f"NIXL notify to {self._peer}: {type(e).__name__}: {e}")
                     return
@@ -90,18 +105,26 @@ class NixlTransfer(Transfer):
         """One step under the agent lock; raises the transfer's error. True when a chunk ended or started."""
         moved = False
         if self._error is None and not self._done:
-            with self._transport.lock:
+            with self._lock:
                 moved = self._step()
         if self._error is not None:
             raise self._error
         return moved
 
     def cancel(self) -> None:
-        """Abandon the transfer; NIXL aborts the request in flight where it can."""
-        with self._transport.lock:
-            self._release()
+        """Give up on the transfer. A request still in flight stays with NIXL (releasing its handle does not
+        stop UCX), so the transfer ends unsettled until the transport resets the agent."""
+        with self._lock:
             if not self._done and self._error is None:
+                self._unsettled = self._handle is not None
                 self._error = TransferTimeout(self._where("was abandoned (timed out or the transport closed)"))
+
+    def abandon(self) -> None:
+        """The transport drops the agent (reset or close): the request in flight dies with it. The transfer lets
+        go of the agent, so nothing keeps it alive."""
+        self._handle, self._unsettled, self._agent = None, False, None
+        if not self._done and self._error is None:
+            self._error = TransferFailed(self._where("ended: the NIXL agent was reset"))
 
     # -- state machine ------------------------------------------------------------------------------------
     def _step(self) -> bool:
@@ -110,7 +133,7 @@ class NixlTransfer(Transfer):
         NIXL may finish a request inside ``transfer`` (same-host UCX copies in the calling thread), so posting
         one chunk per step keeps ``submit`` and ``poll`` to one engine call's worth of work.
         """
-        agent = self._transport.agent
+        agent = self._agent
         moved, posted = False, False
         while self._error is None and not self._done:
             if self._handle is None:
@@ -123,8 +146,8 @@ class NixlTransfer(Transfer):
                 except Exception as e:
                     state = self._refused(e)
             if state == "PROC":
-                if self._deadline.expired():
-                    self._release()
+                if self._deadline.expired():  # kept, not released: only a reset of the agent ends it
+                    self._unsettled = True
                     self._error = TransferTimeout(self._where("did not finish before the deadline"))
                 break
             moved = True
@@ -141,7 +164,7 @@ class NixlTransfer(Transfer):
         start, stop = self._chunks[self._index]
         last = self._index == len(self._chunks) - 1
         notify = self._notify if last and self._notify is not None else b""
-        mem, dev = self._transport.mem_type, self._transport.dev_id
+        mem, dev = self._mem_type, self._dev_id
         length = self._length[start:stop]
         try:
             local = agent.get_xfer_descs(descriptor_table(self._local[start:stop], length, dev), mem)
@@ -163,11 +186,11 @@ class NixlTransfer(Transfer):
     def _failed(self, reason: str) -> None:
         if self._error is not None:
             return
-        retries = self._transport.config.retries
+        retries = self._config.retries
         if self._attempt >= retries:
             self._error = TransferFailed(self._where(f"failed {retries + 1} times (last: {reason})"))
             return
-        self._retry_at = time.monotonic() + min(backoff_s(self._transport.config, self._attempt),
+        self._retry_at = time.monotonic() + min(backoff_s(self._config, self._attempt),
                                                 self._deadline.remaining())
         self._attempt += 1
         if self._deadline.expired():
@@ -177,7 +200,7 @@ class NixlTransfer(Transfer):
         handle, self._handle = self._handle, None
         if handle is not None:
             try:
-                self._transport.agent.release_xfer_handle(handle)
+                self._agent.release_xfer_handle(handle)
             except Exception:  # a request NIXL could not abort: its handle is freed with the agent
                 pass
 

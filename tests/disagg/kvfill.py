@@ -1,7 +1,8 @@
 """Seeded byte patterns in an engine cache, and digests of a request's blocks, for the P/D byte checks.
 
 Every int64 word of the cache gets a value derived from its position and the seed, so a misplaced block never
-matches. ``digest`` hashes a request's tokens in every slot, in spec order, to compare two caches of the same layout.
+matches. ``digest`` hashes a request's tokens in every slot, in spec order, to compare two caches of the same layout;
+``mark`` and ``unmarked`` fill a request's blocks with a marker and count the block slots written since.
 """
 
 from __future__ import annotations
@@ -35,6 +36,31 @@ def fill(cache: Mapping[str, LayerValue], seed: int) -> None:
 def zero(cache: Mapping[str, LayerValue]) -> None:
     for t in tensors_of(cache):
         t.zero_()
+
+
+def mark(spec: KVSpec, cache: Mapping[str, LayerValue], layout: str, table: Mapping[int, list[int]],
+         value: float) -> None:
+    """Fill every slot of the blocks in ``table`` with ``value``: what a request's blocks hold once the engine took
+    them back, so a write after that shows (``unmarked``)."""
+    lay = get_layout(split_choice(layout)[0])
+    for layer in spec.layers:
+        ids = torch.as_tensor(np.asarray(table[layer.group_id], dtype=np.int64))
+        for st in lay.slot_tensors(layer, spec.group(layer.group_id).tokens_per_block, cache[layer.name]):
+            st.tensor.index_fill_(0, ids, value)
+
+
+def unmarked(spec: KVSpec, cache: Mapping[str, LayerValue], layout: str, table: Mapping[int, list[int]],
+             value: float) -> tuple[int, int]:
+    """``(changed, total)``: block slots (one block of one slot of one layer) no longer all ``value``."""
+    lay = get_layout(split_choice(layout)[0])
+    changed = total = 0
+    for layer in spec.layers:
+        ids = torch.as_tensor(np.asarray(table[layer.group_id], dtype=np.int64))
+        for st in lay.slot_tensors(layer, spec.group(layer.group_id).tokens_per_block, cache[layer.name]):
+            rows = st.tensor.index_select(0, ids).reshape(len(ids), -1)
+            changed += int((rows != value).any(dim=1).sum())
+            total += len(ids)
+    return changed, total
 
 
 def digest(

@@ -14,6 +14,9 @@ process group so the model can all-gather head outputs. Commands (``cmd``) and r
 - ``pull`` / ``push`` (request_id, params, table, num_tokens) -> {}: ``start_pull`` / ``register_push``;
 - ``wait`` (request_id, within) -> the request's completion, or {state: "none"} when none came in time;
 - ``decode`` (first, start, steps, table) -> {tokens, logits};
+- ``mark`` / ``unmarked`` (table, value) -> {} / {changed, total}: fill a request's blocks with a marker once
+  the engine has them back, then count the block slots written since;
+- ``status`` -> counts (pending, draining, in flight, held, staging in use) and the completions so far;
 - ``finished`` -> completions so far; ``held`` -> requests the side still holds; ``teardown``; ``exit``.
 """
 
@@ -26,7 +29,7 @@ from typing import Any
 import msgspec
 import torch
 from framed import read_frame, reply_channel, write_frame
-from kvfill import digest, fill
+from kvfill import digest, fill, mark, unmarked
 from kvref import split_choice
 from tiny_model import Shape, TinyDecoder
 
@@ -68,6 +71,23 @@ class Worker:
         if cmd == "digest":
             table = {int(g): v for g, v in msg["table"].items()}
             return {"digest": digest(self.spec, self.cache, self.layout, table, msg["tokens"])}
+        if cmd == "mark":  # the engine took the blocks back: fill them, so a later write shows
+            table = {int(g): v for g, v in msg["table"].items()}
+            mark(self.spec, self.cache, self.layout, table, float(msg["value"]))
+            return {}
+        if cmd == "unmarked":
+            table = {int(g): v for g, v in msg["table"].items()}
+            changed, total = unmarked(self.spec, self.cache, self.layout, table, float(msg["value"]))
+            return {"changed": changed, "total": total}
+        if cmd == "status":
+            self.collect()
+            side = self.side
+            return {"pending": side.pending_requests() if hasattr(side, "pending_requests") else 0,
+                    "in_flight": side.transfers_in_flight(),
+                    "draining": side.draining_requests() if hasattr(side, "draining_requests") else -1,
+                    "held": side.held_requests() if hasattr(side, "held_requests") else 0,
+                    "arena": side.local.arena.in_use,
+                    "completions": self.completions, "now": time.monotonic()}
         if cmd in ("pull", "push"):
             table = {int(g): v for g, v in msg["table"].items()}
             if cmd == "pull":

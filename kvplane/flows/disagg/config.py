@@ -33,8 +33,8 @@ class DisaggConfig:
     Bounds: a prefill rank holds a finished request's blocks for ``lease_s`` after the last heartbeat; decode
     sends heartbeats every ``heartbeat_s``. A decode request not done within ``transfer_timeout_s`` of the
     transfer starting (``push_timeout_s`` of registering, for push, which includes the prefill's compute)
-    ends ``timed_out``; one whose destination a transfer may still write waits up to ``drain_timeout_s``
-    more before its blocks are released. A handshake not answered in ``handshake_timeout_s`` fails its requests;
+    ends ``timed_out``; it is reported (its blocks released) only once no transfer can write them (the fence,
+    docs/disagg.md): a push whose prefill does not confirm within ``drain_timeout_s`` has the engine reset. A handshake not answered in ``handshake_timeout_s`` fails its requests;
     a peer's transport that does not answer a probe within ``probe_timeout_s`` fails its handshake.
     """
 

@@ -11,6 +11,14 @@ Who calls what (the engine's thread; the vLLM connector wraps these):
   out where needed: the blocks may be read), ``failed`` or ``timed_out`` (``failed_block_ids`` lists the
   blocks to recompute or give up on). Until then kvplane may still write the blocks: do not free them.
 - ``abort(request_id)``: stop; the request is reported once no transfer can write its blocks any more.
+- ``pending_requests()``, ``draining_requests()``: requests not yet reported, and those of them that have a
+  verdict but wait for the fence.
+
+The fence (``phases.py``): a request is reported only once no transfer of the engine's can write its blocks.
+A READ that timed out while the engine still has it queued (a link that is down) makes the transfer thread
+reset the engine first (``Mover``); a push whose prefill did not answer within ``drain_timeout_s`` of the
+verdict is fenced the same way. After a reset, prefill ranks handshake again before their next request, so
+they load this rank's new transport descriptor.
 
 Handshakes (manifest and compatibility check, transport descriptors), heartbeats that renew the prefill's
 lease, staging and re-layout run on this side's I/O loop thread; transfers on its transfer thread
@@ -32,7 +40,7 @@ import zmq
 from kvplane.backend.base import Backend
 from kvplane.blocks.groups import PerGroup
 from kvplane.errors import KvplaneError, TransferTimeout
-from kvplane.flows.disagg import channel
+from kvplane.flows.disagg import channel, phases
 from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.decode_start import Starter
@@ -53,6 +61,7 @@ from kvplane.flows.disagg.messages import (
 from kvplane.flows.disagg.mover import Mover
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import Prober, check_hello, record
+from kvplane.flows.disagg.phases import Phase
 from kvplane.flows.disagg.published import Published
 from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.results import Completion, State
@@ -89,7 +98,7 @@ class DecodeSide:
         self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick, self._publish)
         self._guard = Guard(self._loop.context, curve_keys(config, "decode"))
         self._mover = Mover(f"kvplane-decode-{config.rank}-transfers", self.local.transport, "READ",
-                            config.max_inflight, self._loop.submit)
+                            config.max_inflight, self._loop.submit, on_reset=self._on_reset)
         self._starter = Starter(self)
         self._prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
         self._loop.start()
@@ -140,8 +149,13 @@ class DecodeSide:
         return done
 
     def pending_requests(self, timeout_s: float = 10.0) -> int:
-        """Requests started and not yet reported by ``get_finished``."""
+        """Requests started and not yet reported by ``get_finished`` (draining ones included)."""
         return len(self._active)
+
+    def draining_requests(self) -> int:
+        """Requests with a verdict (failed, timed out, aborted) that are not reported yet because a transfer
+        may still write their blocks; each ends within the bound docs/disagg.md gives."""
+        return self._out.draining
 
     def transfers_in_flight(self, timeout_s: float = 10.0) -> int:
         """Plans of this side queued for or moving through the transport, as the loop last published."""
@@ -177,6 +191,7 @@ class DecodeSide:
 
     # -- loop: requests -----------------------------------------------------------------------------------
     def _publish(self) -> None:
+        self._out.draining = sum(1 for w in self._wants.values() if w.phase is Phase.DRAINING)
         self._out.publish(self._mover.moving)
 
     def _add(self, want: Want) -> None:
@@ -194,20 +209,41 @@ class DecodeSide:
         """The connection to one prefill rank; a new handshake when there is none, it failed, or the rank's
         lifetime differs from the one a request names (it restarted)."""
         conn = self._conns.get((host, port))
+        hello = self.local.handshake()  # made again (and the engine started again) after a reset
+        if conn is not None and conn.state == "ready" and \
+                (conn.stale or conn.generation != self.local.transport.generation):
+            self._rehandshake(conn)
         stale = conn is not None and conn.state == "ready" and boot_id and conn.record is not None \
             and conn.record.boot_id != boot_id
         if conn is None or conn.state == "failed" or stale:
             if conn is not None:
                 self._loop.unwatch(conn.socket)
             sock = channel.dealer(self._loop.context, host, port, self.config.max_message_bytes, self._guard.client)
-            conn = Conn(host, port, rank, sock, time.monotonic())
+            conn = Conn(host, port, rank, sock, time.monotonic(), generation=self.local.generation)
             self._conns[(host, port)] = conn
             self._loop.watch(sock, partial(self._on_readable, conn))
-            channel.send(sock, self.local.handshake(), self.counters)
+            channel.send(sock, hello, self.counters)
         return conn
 
+    def _rehandshake(self, conn: Conn) -> None:
+        """A transport was reset since this connection handshook: handshake again on the same socket, so the
+        prefill rank loads this rank's new descriptor and this rank its (either may have changed)."""
+        conn.stale, conn.state, conn.started = False, "handshaking", time.monotonic()
+        conn.deferred = self.local.generation != self.local.transport.generation
+        if conn.deferred:  # this rank's engine is not running again yet: _check_deadlines sends it then
+            return
+        conn.generation = self.local.generation
+        logger.warning("decode rank %d: reconnecting prefill rank %d at %s:%d (a transport was reset)",
+                       self.config.rank, conn.rank, conn.host, conn.port)
+        channel.send(conn.socket, self.local.handshake(), self.counters)
+
+    def _on_reset(self, why: str) -> None:
+        for conn in self._conns.values():
+            if conn.state == "ready":
+                conn.stale = True
+
     def _maybe_start(self, want: Want) -> None:
-        if want.phase != "connect" or want.state is not None:
+        if want.phase is not Phase.CONNECT or want.state is not None:
             return
         failed = [c for c in want.conns if c.state == "failed"]
         if failed:
@@ -230,8 +266,14 @@ class DecodeSide:
         self._starter.start(want)
 
     def _moved(self, want: Want, rank: int, error: KvplaneError | None) -> None:
-        want.pending.discard(rank)
+        if not phases.writer_ended(want.phase, want.pending, rank):
+            logger.warning("decode rank %d: a READ of request %s from prefill rank %d ended after the request "
+                           "was reported; dropped", self.config.rank, want.request_id, rank)
+            return
         if error is not None:
+            conn = want.conns[rank]
+            if conn.state == "ready":
+                conn.stale = True  # the prefill's engine may have been reset: learn its descriptor again
             self._decide(want, "timed_out" if isinstance(error, TransferTimeout) else "failed",
                          f"READ from prefill rank {rank} failed: {error}")
         if not want.pending:
@@ -243,9 +285,9 @@ class DecodeSide:
             return
         want.aborted = True
         self._decide(want, "failed", "aborted on the decode instance")
-        if want.phase == "connect":
+        if want.phase is Phase.CONNECT:
             self._finish(want)
-        elif want.mode == "push" and want.phase == "move":
+        elif want.mode == "push" and want.phase is Phase.DRAINING:
             self._cancel_push(want)
 
     # -- loop: messages -----------------------------------------------------------------------------------
@@ -267,19 +309,25 @@ class DecodeSide:
             engine = conn.record.engine_id if conn.record is not None else ""
             rid = self._by_remote.get((engine, message.request_id))
             want = self._wants.get(rid) if rid is not None else None
-            if want is None:
+            if want is None or not phases.counts(want.phase):  # a late word for a request already reported
+                if message.request_id:  # not a connection check
+                    logger.info("decode rank %d: %s for request %s of %s came after the request was reported; "
+                                "dropped", self.config.rank, type(message).__name__, message.request_id, engine)
                 return
             if isinstance(message, Problem):
                 self._decide(want, "failed", f"prefill rank {message.rank}: {message.reason}")
-                if want.mode == "push" or want.phase == "connect":
+                if want.mode == "push" or want.phase is Phase.CONNECT:
                     want.pending.discard(message.rank)
             else:
-                want.pending.discard(message.rank)
+                if not phases.writer_ended(want.phase, want.pending, message.rank):
+                    logger.info("decode rank %d: a repeated PushResult for request %s from prefill rank %d; dropped",
+                                self.config.rank, want.request_id, message.rank)
+                    return
                 if not message.ok:
                     self._decide(want, "failed", f"push from prefill rank {message.rank} failed: {message.reason}")
-            if want.phase != "connect" and not want.pending:
+            if want.phase is not Phase.CONNECT and not want.pending:
                 self._finish(want)
-            elif want.phase == "connect" and want.state is not None:
+            elif want.phase is Phase.CONNECT and want.state is not None:
                 self._finish(want)
         else:
             self.counters.rejected += 1
@@ -317,7 +365,7 @@ class DecodeSide:
                 self._maybe_start(want)
 
     def _conn_failed(self, conn: Conn, reason: str) -> None:
-        conn.state, conn.error = "failed", reason
+        conn.state, conn.error, conn.deferred = "failed", reason, False
         logger.warning("decode rank %d: prefill rank at %s:%d: %s", self.config.rank, conn.host, conn.port, reason)
         for rid in list(conn.waiting):
             want = self._wants.get(rid)
@@ -329,10 +377,26 @@ class DecodeSide:
     def _decide(self, want: Want, state: State, reason: str) -> None:
         if want.state is None:
             want.state, want.reason = state, reason
+        want.phase = phases.after_verdict(want.phase, len(want.pending))
+        if want.phase is Phase.DRAINING and not want.drain_deadline:
+            want.drain_deadline = time.monotonic() + self.config.drain_timeout_s
+
+    def _fence(self, want: Want) -> None:
+        """A push's writers did not answer within drain_timeout_s of the verdict: reset this rank's engine, so
+        nothing they queued can land, then report the request."""
+        want.fencing = True
+        ranks = sorted(want.pending)
+
+        def fenced() -> None:
+            want.fencing = False
+            want.pending.clear()
+            if want.phase is Phase.DRAINING:
+                self._finish(want)
+
+        self._mover.fence(fenced, f"request {want.request_id}: prefill ranks {ranks} did not confirm their "
+                                  f"writes ended within drain_timeout_s={self.config.drain_timeout_s}")
 
     def _cancel_push(self, want: Want) -> None:
-        want.phase = "drain"
-        want.drain_deadline = time.monotonic() + self.config.drain_timeout_s
         for conn in want.conns:
             if conn.rank in want.pending:
                 channel.send(conn.socket, Cancel(want.params.remote_request_id, self.config.engine_id,
@@ -340,6 +404,11 @@ class DecodeSide:
 
     def _finish(self, want: Want) -> None:
         """Nothing moves into the request's blocks any more: re-lay out, tell the prefill, report."""
+        if not phases.may_report(want.phase, len(want.pending)):
+            logger.error("decode rank %d: request %s asked to report in phase %s with prefill ranks %s still "
+                         "writing; kept (a bug)", self.config.rank, want.request_id, want.phase.value,
+                         sorted(want.pending))
+            return
         if want.state is None:
             try:
                 self._starter.relayout(want)
@@ -355,6 +424,7 @@ class DecodeSide:
         self._complete(want, want.state or "done", want.reason)
 
     def _complete(self, want: Want, state: State, reason: str = "") -> None:
+        want.phase = Phase.REPORTED
         for offset, _, _ in want.staged:
             self.local.arena.give(offset)
         want.staged.clear()
@@ -383,27 +453,35 @@ class DecodeSide:
 
     def _check_deadlines(self, now: float) -> None:
         for conn in list(self._conns.values()):
+            if conn.deferred and conn.state == "handshaking":
+                self.local.handshake()  # made again once the engine runs
+                if self.local.generation == self.local.transport.generation:
+                    conn.deferred = False
+                    self._rehandshake(conn)
             if conn.state in ("handshaking", "probing") and now - conn.started > self.config.handshake_timeout_s:
-                self._conn_failed(conn, f"no answer to the handshake within {self.config.handshake_timeout_s} s; "
-                                        f"is the prefill instance running and reachable?")
+                self._conn_failed(conn, "this rank's transfer engine did not start again after a reset within "
+                                        f"handshake_timeout_s={self.config.handshake_timeout_s}" if conn.deferred
+                                  else f"no answer to the handshake within {self.config.handshake_timeout_s} s; "
+                                       f"is the prefill instance running and reachable?")
         for want in list(self._wants.values()):
-            if want.waiting_staging and want.phase == "connect" and want.state is None:
+            if want.waiting_staging and want.phase is Phase.CONNECT and want.state is None:
                 self._starter.start(want)
-            if want.phase == "connect" and (now > want.deadline or want.state is not None):
+            if want.phase is Phase.CONNECT and (now > want.deadline or want.state is not None):
                 self._decide(want, "timed_out", "the transfer did not start before the deadline (waiting for the "
                                                 "handshake or for staging room)")
                 self._finish(want)
-            elif want.phase == "move" and now > want.deadline:
+            elif want.phase is Phase.MOVE and now > want.deadline:
                 self._decide(want, "timed_out", "the KV did not arrive before the deadline")
                 if want.mode == "push":
                     self._cancel_push(want)
-            elif want.phase == "drain" and now > want.drain_deadline:
-                self._finish(want)
+            elif want.phase is Phase.DRAINING and want.mode == "push" and now > want.drain_deadline \
+                    and not want.fencing:
+                self._fence(want)  # pulls need no bound here: the transfer thread fences unsettled READs
 
     def _heartbeat(self) -> None:
         by_conn: dict[tuple[str, int], list[tuple[str, str]]] = {}
         for want in self._wants.values():
-            if want.phase in ("connect", "move"):
+            if want.phase in (Phase.CONNECT, Phase.MOVE):
                 for conn in want.conns:
                     if conn.state == "ready":
                         by_conn.setdefault((conn.host, conn.port), []).append(

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvplane.blocks.groups import Ids
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg import channel
+from kvplane.flows.disagg import channel, phases
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
@@ -40,7 +40,7 @@ class Starter:
             want.waiting_staging = True  # retried on each tick until room frees or the deadline passes
             return
         want.waiting_staging = False
-        want.phase = "move"
+        want.phase = phases.start(want.phase)
         try:
             if want.mode == "pull":
                 self._start_reads(want, sources, staging)

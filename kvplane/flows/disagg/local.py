@@ -16,6 +16,7 @@ import msgspec
 from kvplane.backend.base import Backend
 from kvplane.blocks.groups import Ids, PerGroup, per_group
 from kvplane.descriptors import Region, SlotPart
+from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import Handshake
@@ -75,6 +76,7 @@ class LocalKV:
         )
         self.transport.register(backend.registration_spans(to_register))  # merged with the cache's spans
         self._handshake = self._make_handshake()  # once: NIXL's metadata call waits for the agent lock
+        self.generation = self.transport.generation  # of the transport's engine the handshake describes
 
     def block_ids(self, request_id: str, block_ids: PerGroup, num_tokens: int, *, distinct: bool = False
                   ) -> dict[int, Ids]:
@@ -121,6 +123,12 @@ class LocalKV:
         return int(self.staging.data_ptr()) if self.staging is not None else 0
 
     def handshake(self) -> Handshake:
+        """This rank's handshake; made again once the transport was reset (its descriptor changed)."""
+        if self.generation != self.transport.generation:
+            try:
+                self._handshake, self.generation = self._make_handshake(), self.transport.generation
+            except KvplaneError:  # the engine is down since a reset: transfers fail until it is back
+                pass
         return self._handshake
 
     def _make_handshake(self) -> Handshake:

@@ -5,6 +5,10 @@ pulls (READ). At most ``max_inflight`` transfers run per peer; plans queued behi
 transfer (one coalesced engine batch for many requests). ``pump`` polls what is in flight and calls each
 plan's callback exactly once, with ``None`` on success or the error, so every request learns how its bytes
 fared even when the transport raised for the whole batch.
+
+A callback means the engine can no longer move a byte of its plan. A transfer that ended unsettled (it
+timed out while the engine still had it queued) is parked in ``unsettled`` instead: its callbacks run only
+after the owner fenced the engine (``Mover`` resets the transport, then calls ``release_unsettled``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Outbox:
     def __init__(self, transport: Transport, op: Op, max_inflight: int) -> None:
         self.transport, self.op, self.max_inflight = transport, op, max_inflight
         self._peers: dict[str, _Peer] = {}
+        self.unsettled: list[tuple[_Batch, KvplaneError | None]] = []
 
     def put(self, peer: str, plan: CopyPlan, callback: Callback) -> None:
         """Queue ``plan`` for ``peer``; an empty plan succeeds at once."""
@@ -52,8 +57,16 @@ class Outbox:
 
     @property
     def moving(self) -> int:
-        """Plans queued or in flight."""
-        return sum(len(p.queued) + sum(len(b.callbacks) for b in p.inflight) for p in self._peers.values())
+        """Plans queued or in flight, unsettled ones included."""
+        parked = sum(len(b.callbacks) for b, _ in self.unsettled)
+        return parked + sum(len(p.queued) + sum(len(b.callbacks) for b in p.inflight) for p in self._peers.values())
+
+    def release_unsettled(self, why: str) -> None:
+        """The engine was reset: every parked plan ends (with its own error, or ``why``)."""
+        parked, self.unsettled = self.unsettled, []
+        for batch, error in parked:
+            for callback in batch.callbacks:
+                self._call(callback, error or TransferFailed(why))
 
     def pump(self) -> None:
         """Retire finished transfers (callbacks run here), then start what the limits allow."""
@@ -63,6 +76,9 @@ class Outbox:
                 done, error = self._outcome(batch.transfer)
                 if not done:
                     still.append(batch)
+                    continue
+                if not batch.transfer.settled:
+                    self.unsettled.append((batch, error))
                     continue
                 for callback in batch.callbacks:
                     self._call(callback, error)

@@ -18,6 +18,7 @@ class Published:
         self._staged: list[Completion] = []  # loop thread only
         self._ready: deque[Completion] = deque()  # append on the loop, popleft on the engine thread
         self.in_flight = 0  # plans queued or moving, as of the last publish
+        self.draining = 0  # decode: requests with a verdict waiting for the fence (the loop sets it)
         self.registered: set[str] = set()  # prefill: requests a push registration reached (loop adds/discards)
 
     def add(self, completion: Completion) -> None:

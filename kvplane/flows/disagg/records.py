@@ -14,6 +14,7 @@ from kvplane.descriptors import CopyPlan
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord
+from kvplane.flows.disagg.phases import Phase
 from kvplane.flows.disagg.results import State
 from kvplane.plan.planner import TransferPlan
 
@@ -28,6 +29,9 @@ class Conn:
     socket: zmq.Socket[bytes]
     started: float
     state: str = "handshaking"  # -> "probing" (connecting the transport) -> "ready" | "failed"
+    stale: bool = False  # ready, but a transport was reset since: handshake again before the next request
+    generation: int = 0  # of this rank's engine when the handshake was sent
+    deferred: bool = False  # handshaking again, sent once this rank's engine runs again after a reset
     record: PeerRecord | None = None
     error: str = ""
     waiting: set[str] = field(default_factory=set)
@@ -46,7 +50,7 @@ class Want:
     mode: str  # "pull" or "push"
     deadline: float
     conns: list[Conn] = field(default_factory=list)
-    phase: str = "connect"  # -> "move" -> "drain"
+    phase: Phase = Phase.CONNECT
     pending: set[int] = field(default_factory=set)  # prefill ranks still moving bytes
     staged: list[tuple[int, int, TransferPlan]] = field(default_factory=list)  # (offset, bytes, plan)
     waiting_staging: bool = False
@@ -54,6 +58,7 @@ class Want:
     reason: str = ""
     aborted: bool = False
     drain_deadline: float = 0.0
+    fencing: bool = False  # the engine is being reset so that no write of a lost writer can land
 
 
 @dataclass
