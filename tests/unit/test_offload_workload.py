@@ -137,3 +137,11 @@ def test_a_store_run_ahead_of_a_host_run_takes_the_room_the_later_run_held() -> 
     assert h.holds(5, ab[0])
     assert h.engine.get_block_ids_with_load_errors() == {6}
     assert h.engine.host_blocks_in_use() == 0
+
+
+def test_a_load_fetching_its_head_from_the_store_keeps_the_host_blocks_behind_it() -> None:
+    """Found by the property above: with 2 host blocks, a request whose first block lives only in the store and
+    whose next two are in the host loaded 1 block, not 2. Making room for the fetch unpinned the whole host tail,
+    and LRU then evicted the block right behind the fetched one; only the last block needs to go."""
+    workload = [("store", [0, 0, 99], 0), ("store", [0, 0, 1, 0, 2, 0, 99], 0), ("load", [0, 0, 1, 0, 2, 0, 99], 0)]
+    run_workload(2, workload, "write-back")

@@ -282,12 +282,12 @@ class OffloadEngine:
             n += count
         n = 0
         for i, (in_store, count) in enumerate(runs):
+            if i >= len(parts):  # blocks were shed for an earlier fetch: the prefix ends before this run
+                break
             if in_store and self.store is not None:
-                if count > self.index.pools[group].num_free:
-                    # the run will not fit, so the prefix ends inside it: later host runs are unreachable,
-                    # and unpinning them gives the fetch their room
-                    self._release_runs(group, parts[i + 1 :])
-                    parts = parts[: i + 1]
+                short = count - self.index.pools[group].num_free
+                if short > 0:  # unpin the prefix's last blocks, just enough to give the fetch its room
+                    parts = self._shed(group, parts, i + 1, short)
                 parts[i] = self.store.fetch(group, hashes[n : n + count])
                 if len(parts[i]) < count:  # the store came up short: the prefix ends here
                     self._release_runs(group, parts[i + 1 :])
@@ -295,6 +295,20 @@ class OffloadEngine:
                     break
             n += count
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def _shed(self, group: int, parts: list[Ids], start: int, count: int) -> list[Ids]:
+        """Release up to ``count`` pinned blocks from the end of ``parts[start:]``; the prefix ends there."""
+        parts = list(parts)
+        while count > 0 and len(parts) > start:
+            last = parts[-1]
+            k = min(count, len(last))
+            self.index.release(group, last[len(last) - k :])
+            count -= k
+            if k == len(last):
+                parts.pop()
+            else:
+                parts[-1] = last[: len(last) - k]
+        return parts
 
     def _release_runs(self, group: int, runs: list[Ids]) -> None:
         for ids in runs:
