@@ -43,6 +43,11 @@ class TransportConfig:
     retries: int = 3  # resubmissions of a failed batch
     backoff_s: float = 0.05  # first back-off, doubled per retry
     max_batch: int | None = None  # descriptors per engine call; None: the engine's own limit
+    # engine options (checked by DisaggConfig, transports/options.py): Mooncake's protocol ("" = the backend's)
+    # and RDMA NICs ("" = discover); the NIXL backends to start
+    protocol: str = ""
+    device_name: str = ""
+    nixl_backends: tuple[str, ...] = ("UCX",)
 
 
 class Transfer(ABC):

@@ -1,0 +1,67 @@
+"""Where a P/D rank listens and what it tells peers: port arithmetic and the environment overrides.
+
+A prefill instance's side channel has one port per rank: data-parallel rank ``d`` of an instance with TP size
+``t`` and base port ``p`` owns ``p + d*t .. p + d*t + t - 1``, TP rank ``r`` listening on ``p + d*t + r`` (vLLM's
+own Mooncake connector spaces DP ranks by ``tp_size`` the same way). ``kv_transfer_params.remote_port`` carries
+``p + d*t``, the base of the DP rank that holds the request, and a decode rank adds the TP rank it reads from.
+
+``host`` is the advertised address (what peers connect to, in ``kv_transfer_params.remote_host``; the transfer
+engines are named by it too); ``bind_host`` is the address the side channel binds ("" = ``host``), such as
+``0.0.0.0`` behind NAT or in a pod whose advertised name is a service's.
+
+Environment overrides, in vLLM's naming style (``VLLM_NIXL_SIDE_CHANNEL_HOST``). Precedence: a variable that is
+set (non-empty) wins over the config's key, which wins over the default; ``DisaggConfig(...)`` built in code
+reads no environment, ``DisaggConfig.from_dict`` and the vLLM connector's config do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+ENV_FIELDS: dict[str, str] = {
+    "KVPLANE_SIDE_CHANNEL_HOST": "host",
+    "KVPLANE_SIDE_CHANNEL_BIND_HOST": "bind_host",
+    "KVPLANE_SIDE_CHANNEL_PORT": "port",
+    "KVPLANE_MOONCAKE_PROTOCOL": "protocol",
+    "KVPLANE_MOONCAKE_DEVICE": "device_name",
+    "KVPLANE_NIXL_BACKENDS": "nixl_backends",
+}
+
+
+def dp_base_port(port: int, dp_rank: int, tp_size: int) -> int:
+    """The first side-channel port of data-parallel rank ``dp_rank`` (0 when ``port`` is 0: any free port)."""
+    return port + dp_rank * tp_size if port else 0
+
+
+def rank_port(port: int, dp_rank: int, tp_size: int, tp_rank: int) -> int:
+    """The side-channel port TP rank ``tp_rank`` of DP rank ``dp_rank`` listens on (0: any free port)."""
+    return dp_base_port(port, dp_rank, tp_size) + tp_rank if port else 0
+
+
+def instance_ports(port: int, dp_size: int, tp_size: int) -> list[int]:
+    """Every side-channel port of an instance with ``dp_size`` DP ranks on one host, in order."""
+    return [rank_port(port, d, tp_size, r) for d in range(dp_size) for r in range(tp_size)] if port else []
+
+
+def env_overrides(env: Mapping[str, str], error: type[Exception], what: str) -> dict[str, Any]:
+    """The config keys the environment sets, typed; ``error`` names a variable whose value cannot be used."""
+    out: dict[str, Any] = {}
+    for name, field in ENV_FIELDS.items():
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        if field == "port":
+            if not value.isdigit():
+                raise error(f"{what}: ${name}={value!r} is not a port number; set a base port such as 5600")
+            out[field] = int(value)
+        elif field == "nixl_backends":
+            out[field] = [b.strip() for b in value.split(",") if b.strip()]
+        else:
+            out[field] = value
+    return out
+
+
+def env_used(env: Mapping[str, str]) -> dict[str, str]:
+    """The overrides set in ``env``, by variable (for ``kvplane info`` and the startup line)."""
+    return {name: env[name] for name in ENV_FIELDS if env.get(name, "").strip()}

@@ -1,0 +1,108 @@
+"""Side-channel ports under vLLM's data parallelism: every (DP rank, TP rank) of one host listens on its own port,
+and the scheduler of each DP rank advertises the base port of its own ranks.
+
+The parallel configs are vLLM's own ``ParallelConfig``, set up as ``EngineCoreProc.run_engine_core``
+(vllm/v1/engine/core.py) sets up each DP engine process: ``data_parallel_index`` is the DP rank, and for a dense
+(non-MoE) model ``data_parallel_rank`` is reset to 0 (0.33: ``reconfigure_for_independent_dp_rank``), which is
+why kvplane cannot use ``data_parallel_rank`` to tell DP ranks apart. Each DP engine's ``engine_id`` carries
+vLLM's ``_dp{rank}`` suffix, as core.py appends it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
+
+from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvplane.flows.disagg.params import TransferParams  # noqa: E402
+from kvplane.integrations.vllm import KVPlaneConnector  # noqa: E402
+
+BLOCK = 16
+BASE = 5600
+
+
+def engine_parallel_config(dp_size: int, dp_rank: int, tp_size: int, *, moe: bool) -> ParallelConfig:
+    """The ParallelConfig of DP engine ``dp_rank`` once vLLM's engine core process has set it up."""
+    config = ParallelConfig(tensor_parallel_size=tp_size, data_parallel_size=dp_size)
+    config.data_parallel_index = dp_rank
+    if moe:
+        config.data_parallel_rank = dp_rank
+    elif hasattr(config, "reconfigure_for_independent_dp_rank"):  # vLLM 0.33
+        config.reconfigure_for_independent_dp_rank()
+    else:  # vLLM 0.27.1 does these three assignments inline
+        config.data_parallel_size = 1
+        config.data_parallel_size_local = 1
+        config.data_parallel_rank = 0
+    return config
+
+
+def scheduler_connector(parallel: ParallelConfig, dp_rank: int, extra: dict[str, Any]) -> KVPlaneConnector:
+    transfer = KVTransferConfig(kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm",
+                                kv_role="kv_producer", kv_connector_extra_config=extra, engine_id=f"p_dp{dp_rank}")
+    vllm_config = SimpleNamespace(kv_transfer_config=transfer, parallel_config=parallel,
+                                  cache_config=CacheConfig(block_size=BLOCK), instance_id="launch-1")
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(
+        block_size=BLOCK))])
+    return KVPlaneConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def finished_prefill(request_id: str) -> Any:
+    return SimpleNamespace(request_id=request_id, kv_transfer_params={"do_remote_decode": True},
+                           status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), num_computed_tokens=32,
+                           num_prompt_tokens=32)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_dp_ranks_on_one_host_listen_on_disjoint_ports_and_each_scheduler_advertises_its_own(moe: bool) -> None:
+    dp_size, tp_size = 2, 2
+    listened: dict[int, tuple[int, int]] = {}
+    for d in range(dp_size):
+        connector = scheduler_connector(engine_parallel_config(dp_size, d, tp_size, moe=moe), d,
+                                        {"disagg": {"mode": "pull", "port": BASE}})
+        _, raw = connector.request_finished_all_groups(finished_prefill(f"req-{d}"), ([1, 2],))
+        assert raw is not None
+        params = TransferParams.from_dict(raw)
+        for r in range(tp_size):
+            port = connector.config.disagg_for(r).rank_port()  # what TP worker r of this engine binds
+            assert port not in listened, f"DP {d} TP {r} collides with DP/TP {listened.get(port)} on port {port}"
+            listened[port] = (d, r)
+            assert params.remote_port + r == port  # a decode reading rank r reaches that worker
+        connector.shutdown()
+    assert sorted(listened) == list(range(BASE, BASE + dp_size * tp_size))
+
+
+def vllm_mooncake_port_function() -> Any:
+    """``get_mooncake_side_channel_port`` from the installed vLLM's Mooncake connector, compiled alone: importing
+    that module needs httpx/uvicorn, which the connector tests do not install."""
+    import vllm
+    import vllm.envs
+
+    path = Path(vllm.__file__).parent / "distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py"
+    if not path.exists():
+        pytest.skip(f"this vLLM has no {path.name}")
+    tree = ast.parse(path.read_text())
+    found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_mooncake_side_channel_port"]
+    assert found, f"{path} no longer defines get_mooncake_side_channel_port: read how it spaces DP ranks now"
+    namespace: dict[str, Any] = {"envs": vllm.envs, "VllmConfig": Any}
+    exec(compile(ast.Module(body=found, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["get_mooncake_side_channel_port"]
+
+
+def test_the_port_arithmetic_matches_vllms_own_mooncake_connector() -> None:
+    """vLLM's Mooncake connector spaces DP ranks by tp_size from its bootstrap port; kvplane does the same."""
+    theirs_of = vllm_mooncake_port_function()
+    for d in range(3):
+        parallel = engine_parallel_config(3, d, 4, moe=False)
+        theirs = theirs_of(SimpleNamespace(parallel_config=parallel))
+        bootstrap = theirs - d * 4  # VLLM_MOONCAKE_BOOTSTRAP_PORT, whatever the environment set
+        connector = scheduler_connector(parallel, d, {"disagg": {"mode": "pull", "port": bootstrap}})
+        assert connector.config.disagg_for(0).base_port() == theirs
+        connector.shutdown()
