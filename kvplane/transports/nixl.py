@@ -82,7 +82,8 @@ class NixlTransport(Transport):
             backends = list(self.config.nixl_backends)
             agent = self._nixl.nixl_agent(self.agent_name, self._nixl.nixl_agent_config(backends=backends))
         except Exception as e:
-            raise TransportError(f"NIXL agent {self.agent_name!r} did not start: {type(e).__name__}: {e}") from e
+            raise TransportError(f"NIXL agent {self.agent_name!r} with backends {backends} did not start: "
+                                 f"{type(e).__name__}: {e}") from e
         finally:
             for key in added:
                 os.environ.pop(key, None)

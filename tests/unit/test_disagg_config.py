@@ -166,3 +166,17 @@ def test_nixl_backends_are_the_plugin_files_a_nixl_directory_holds(tmp_path: Pat
     for name in ("libplugin_UCX.so", "libplugin_LIBFABRIC.so", "libnixl.so", "README"):
         (tmp_path / name).touch()
     assert options.nixl_backends([tmp_path, tmp_path / "missing"]) == ["LIBFABRIC", "UCX"]
+
+
+def test_a_nixl_backend_that_is_installed_but_cannot_start_is_refused_naming_it() -> None:
+    """NIXL ships a GDS plugin, which needs NVIDIA GPUDirect Storage: on a machine without it the agent fails."""
+    import torch
+
+    from kvplane.errors import TransportError, TransportUnavailable
+    from kvplane.transports.base import TransportConfig
+    from kvplane.transports.nixl import NixlTransport
+
+    if "GDS" not in options.installed_nixl_backends() or torch.cuda.is_available():
+        pytest.skip("needs a NIXL with a GDS plugin on a machine without a GPU (where GDS cannot start)")
+    with pytest.raises((TransportError, TransportUnavailable), match=r"backends \['GDS'\]"):
+        NixlTransport(get_backend("cpu"), TransportConfig(nixl_backends=("GDS",))).close()
