@@ -129,10 +129,8 @@ class DisaggConfig:
             raise _bad("protocol", self.protocol,
                        f"is not a Mooncake protocol; choose one of {list(options.MOONCAKE_PROTOCOLS)} (or '' for "
                        f"the backend's)")
-        problem = options.nic_problem(self.device_name, self.protocol, options.rdma_devices()) \
-            if self.protocol else ""
-        if self.device_name and not self.protocol:
-            problem = "names NICs: set protocol too (rdma, efa...), so the choice of NIC is explicit"
+        # no protocol: the backend's, known later (rdma on CUDA/MLU): the names are checked as RDMA NICs
+        problem = options.nic_problem(self.device_name, self.protocol or "rdma", options.rdma_devices())
         if problem:
             raise _bad("device_name", self.device_name, problem)
         if not self.nixl_backends:
