@@ -102,6 +102,16 @@ class ConnectorConfig:
     def mode(self) -> str:
         return str((self.disagg or {}).get("mode", "pull"))
 
+    @property
+    def host(self) -> str:
+        """The advertised side-channel address (the environment's override applied)."""
+        return str((self.disagg or {}).get("host", "127.0.0.1"))
+
+    @property
+    def port(self) -> int:
+        """The instance's base side-channel port; DP rank d's starts at ``port + d*tp_size``."""
+        return int((self.disagg or {}).get("port", DEFAULT_PORT))
+
     def disagg_for(self, rank: int) -> DisaggConfig:
         """The ``DisaggConfig`` of TP rank ``rank`` of this DP rank (listening on ``port + dp_rank*tp_size +
         rank``); the environment's overrides are already in ``disagg``."""
