@@ -29,7 +29,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_engine_id: str
     remote_request_id: str
     remote_host: str
-    remote_port: int  # the prefill instance's side-channel base port (rank r: + r)
+    remote_port: int  # the base side-channel port of the DP rank holding the request (TP rank r: + r)
     tp_size: int  # the prefill instance's TP size
     # known once the prefill finished (pull); a push is registered before, with these left empty
     remote_block_ids: list[list[int]] = msgspec.field(default_factory=list)  # one list per KV-cache group
