@@ -106,3 +106,15 @@ def test_the_port_arithmetic_matches_vllms_own_mooncake_connector() -> None:
         connector = scheduler_connector(parallel, d, {"disagg": {"mode": "pull", "port": bootstrap}})
         assert connector.config.disagg_for(0).base_port() == theirs
         connector.shutdown()
+
+
+def test_the_scheduler_advertises_the_environments_host_and_port_over_the_config(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPLANE_SIDE_CHANNEL_HOST", "127.0.0.9")
+    monkeypatch.setenv("KVPLANE_SIDE_CHANNEL_PORT", "6200")
+    connector = scheduler_connector(engine_parallel_config(2, 1, 2, moe=False), 1,
+                                    {"disagg": {"mode": "pull", "host": "127.0.0.2", "port": BASE}})
+    _, raw = connector.request_finished_all_groups(finished_prefill("req-env"), ([3],))
+    assert raw is not None and (raw["remote_host"], raw["remote_port"]) == ("127.0.0.9", 6202)
+    assert connector.config.disagg_for(1).rank_port() == 6203
+    connector.shutdown()
