@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvplane.cli.system import redact
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.addresses import env_used
 from kvplane.flows.disagg.auth import SECRET_ENV
@@ -52,6 +53,7 @@ def report(source: str | None, tp_size: int, dp_size: int, env: Mapping[str, str
         if "disagg" not in extra:
             out["error"] = "the config has no 'disagg' section: this instance opens no side channel"
             return out
+        out["disagg"] = redact(extra["disagg"])  # as written, secret keys hidden
         ports = []
         first = None
         for d in range(dp_size):

@@ -47,11 +47,14 @@ def test_info_reports_versions_drivers_nics_and_the_engine_environment_with_secr
 @pytest.mark.integration
 def test_info_prints_the_side_channel_ports_of_every_dp_and_tp_rank_of_a_config() -> None:
     config = json.dumps({"kv_connector_extra_config": {"disagg": {"port": 6000, "curve_secret_key": SECRET,
-                                                                   "curve_allowed_clients": [SECRET]}}})
-    side = info_json("--config", config, "--tp", "2", "--dp", "3")["side_channel"]
+                                                                   "curve_allowed_clients": ["P" * 40]}}})
+    proc = kvplane_info("--json", "--config", config, "--tp", "2", "--dp", "3")
+    assert proc.returncode == 0 and SECRET not in proc.stdout, proc.stderr
+    side = json.loads(proc.stdout)["side_channel"]
     assert [(p["dp_rank"], p["tp_rank"], p["port"]) for p in side["ports"]] == [
         (0, 0, 6000), (0, 1, 6001), (1, 0, 6002), (1, 1, 6003), (2, 0, 6004), (2, 1, 6005)]
     assert (side["advertised_host"], side["bind_host"], side["authenticated"]) == ("127.0.0.1", "127.0.0.1", True)
+    assert side["disagg"]["curve_secret_key"] == "<redacted>" and side["disagg"]["port"] == 6000
     proc = kvplane_info("--config", config, "--tp", "2")
     assert "ports: dp0/tp0=6000, dp0/tp1=6001" in proc.stdout and SECRET not in proc.stdout
 
