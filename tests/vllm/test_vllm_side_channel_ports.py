@@ -11,6 +11,8 @@ vLLM's ``_dp{rank}`` suffix, as core.py appends it.
 from __future__ import annotations
 
 import ast
+import contextlib
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,6 +21,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
+from minivllm import MiniEngine  # noqa: E402
+from ports import free_port  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
@@ -27,6 +31,7 @@ from kvplane.integrations.vllm import KVPlaneConnector  # noqa: E402
 
 BLOCK = 16
 BASE = 5600
+PROMPT = [(i * 41 + 7) % 977 for i in range(90)]
 
 
 def engine_parallel_config(dp_size: int, dp_rank: int, tp_size: int, *, moe: bool) -> ParallelConfig:
@@ -96,16 +101,56 @@ def vllm_mooncake_port_function() -> Any:
     return namespace["get_mooncake_side_channel_port"]
 
 
-def test_the_port_arithmetic_matches_vllms_own_mooncake_connector() -> None:
+def test_the_port_arithmetic_matches_vllms_own_mooncake_connector(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's Mooncake connector spaces DP ranks by tp_size from its bootstrap port; kvplane does the same."""
+    monkeypatch.setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", "8998")  # vllm.envs reads the environment when asked
     theirs_of = vllm_mooncake_port_function()
     for d in range(3):
         parallel = engine_parallel_config(3, d, 4, moe=False)
-        theirs = theirs_of(SimpleNamespace(parallel_config=parallel))
-        bootstrap = theirs - d * 4  # VLLM_MOONCAKE_BOOTSTRAP_PORT, whatever the environment set
-        connector = scheduler_connector(parallel, d, {"disagg": {"mode": "pull", "port": bootstrap}})
-        assert connector.config.disagg_for(0).base_port() == theirs
+        connector = scheduler_connector(parallel, d, {"disagg": {"mode": "pull", "port": 8998}})
+        assert connector.config.disagg_for(0).base_port() == theirs_of(SimpleNamespace(parallel_config=parallel))
         connector.shutdown()
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1 (the kernel may hand them out again later)."""
+    for _ in range(50):
+        base = free_port()
+        if base + count > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_a_decode_pulls_from_the_tp_ranks_of_the_prefills_second_dp_rank(prefill_tp: int, decode_tp: int) -> None:
+    """DP rank 1 of a prefill instance listens above DP rank 0's ports; a decode of another TP size (and DP rank 0)
+    reaches every one of its TP ranks from ``remote_port`` alone and pulls the whole request."""
+    disagg = {"mode": "pull", "lease_s": 10.0, "heartbeat_s": 0.5}
+    port = free_ports(2 * prefill_tp)
+    prefill = MiniEngine({"disagg": {**disagg, "port": port}}, "kv_producer", tp_size=prefill_tp,
+                         engine_id="p_dp1", parallel=engine_parallel_config(2, 1, prefill_tp, moe=False))
+    decode = MiniEngine({"disagg": {**disagg, "port": free_port()}}, "kv_consumer", tp_size=decode_tp,
+                        engine_id="d_dp0", parallel=engine_parallel_config(2, 0, decode_tp, moe=False))
+    try:
+        assert [w._worker.prefill.port for w in prefill.workers] == [port + prefill_tp + r for r in range(prefill_tp)]
+        done = prefill.run("p-1", PROMPT, {"do_remote_decode": True})
+        assert done.kv_transfer_params["remote_port"] == port + prefill_tp
+        received = decode.run("d-1", PROMPT, done.kv_transfer_params)
+        prefill.pump("p-1")
+        assert received.external_tokens == len(PROMPT) and not received.load_errors
+        assert received.digest == done.digest == decode.reference_digest(PROMPT, len(PROMPT))
+        assert prefill.whole and decode.whole
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def test_the_scheduler_advertises_the_environments_host_and_port_over_the_config(
