@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -34,6 +35,8 @@ ENV_PREFIXES = ("KVPLANE_", "MC_", "UCX_", "NIXL_", "VLLM_NIXL_", "VLLM_MOONCAKE
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "VLLM_LOGGING_LEVEL")
 SECRET_WORDS = ("SECRET", "PASSWORD", "PASSWD", "TOKEN", "PRIVATE", "CREDENTIAL")
 REDACTED = "<redacted>"
+# the password of a URL's user info (redis://user:PASSWORD@host, etcd://u:PW@e1,u:PW@e2), in any variable
+_URL_PASSWORD = re.compile(r"(?P<user>(?:://|,)[^:/@,\s]*):[^@/\s,]+@")
 # (what, files that hold its version: the first that exists is read)
 VERSION_FILES: dict[str, tuple[str, ...]] = {
     "nvidia driver": ("/proc/driver/nvidia/version",),
@@ -122,19 +125,25 @@ def rdma_devices(root: Path = SYS_INFINIBAND) -> list[dict[str, Any]]:
 def is_secret(name: str) -> bool:
     return any(word in name.upper() for word in SECRET_WORDS)
 
+def redact_text(text: str) -> str:
+    """``text`` with the passwords of URLs in it replaced (a metadata server's ``redis://user:pw@host``)."""
+    return _URL_PASSWORD.sub(rf"\g<user>:{REDACTED}@", text) if "://" in text else text
+
+
 def environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables kvplane and the engines read, secret ones (CURVE secret keys...) redacted."""
+    """The variables kvplane and the engines read, secret ones (CURVE secret keys...) and URL passwords redacted."""
     env = os.environ if env is None else env
     keep = sorted(k for k in env if k.startswith(ENV_PREFIXES) or k in ENV_NAMES)
-    return {k: REDACTED if is_secret(k) else env[k] for k in keep}
+    return {k: REDACTED if is_secret(k) else redact_text(env[k]) for k in keep}
 
 def redact(value: Any) -> Any:
-    """``value`` with every secret-named key of nested dicts replaced (a config file's ``curve_secret_key``)."""
+    """``value`` with every secret-named key of nested dicts replaced (a config file's ``curve_secret_key``), and
+    the passwords of URLs in its strings."""
     if isinstance(value, Mapping):
         return {k: REDACTED if is_secret(str(k)) and v else redact(v) for k, v in value.items()}
     if isinstance(value, list):
         return [redact(v) for v in value]
-    return value
+    return redact_text(value) if isinstance(value, str) else value
 
 def kernel() -> str:
     uname = os.uname()

@@ -39,3 +39,12 @@ def test_the_environment_report_keeps_engine_variables_and_redacts_secrets() -> 
                                        "MC_REDIS_PASSWORD": "<redacted>", "UCX_TLS": "tcp"}
     assert system.redact({"disagg": {"curve_secret_key": "s", "curve_server_key": "p"}}) == \
         {"disagg": {"curve_secret_key": "<redacted>", "curve_server_key": "p"}}
+
+
+def test_passwords_inside_urls_are_redacted_from_values_whatever_the_variable_is_called() -> None:
+    env = {"MC_METADATA_SERVER": "redis://admin:hunter2@10.0.0.1:6379", "MC_MS_AUTO_DISC": "1",
+           "KVPLANE_STORE_URL": "http://user@h:8080/metadata"}
+    assert system.environment(env) == {"KVPLANE_STORE_URL": "http://user@h:8080/metadata", "MC_MS_AUTO_DISC": "1",
+                                       "MC_METADATA_SERVER": "redis://admin:<redacted>@10.0.0.1:6379"}
+    assert system.redact({"store": {"metadata_server": "etcd://u:pw@e1:2379,u:pw@e2:2379"}}) == \
+        {"store": {"metadata_server": "etcd://u:<redacted>@e1:2379,u:<redacted>@e2:2379"}}
