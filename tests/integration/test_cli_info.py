@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 
+from kvplane.cli.system import ENV_NAMES, ENV_PREFIXES
+
 SECRET = "Z" * 40  # stands for a CURVE secret key: it must never be printed
 
 
 def kvplane_info(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVPLANE_", "MC_", "UCX_"))}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIXES) and k not in ENV_NAMES}
     return subprocess.run([sys.executable, "-m", "kvplane.cli.main", "info", *args], capture_output=True,
                           text=True, timeout=300, env={**clean, **(env or {})})
 
