@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import json
 import os
 import platform
@@ -31,19 +30,10 @@ ENGINES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def _dist_version(names: tuple[str, ...]) -> tuple[str | None, str | None]:
-    for name in names:
-        try:
-            return name, importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None, None
-
-
 def engine_status() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for engine, (module, dists) in ENGINES.items():
-        dist, version = _dist_version(dists)
+        dist, version = system.first_installed(dists)
         if dist is None:
             out[engine] = {"importable": False, "reason": f"not installed (pip install {dists[0]})"}
             continue

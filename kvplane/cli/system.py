@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvplane.transports.options import SYS_INFINIBAND, SYS_NET
+from kvplane.transports import options
 
 ABSENT = "not installed"
+SYS_NET = Path("/sys/class/net")
 # distribution names, by what the report calls them (the first one installed wins)
 PACKAGES: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm",),
@@ -51,17 +52,22 @@ TOOLS: dict[str, list[str]] = {  # vendor tools and the arguments that print dri
     "cnmon": ["cnmon", "version"],
 }
 
+def first_installed(names: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """The first of the distributions ``names`` that is installed, and its version (None, None for none)."""
+    for name in names:
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None, None
+
+
 def versions() -> dict[str, str]:
     """Installed versions of the packages kvplane runs with, ``not installed`` where absent."""
     out: dict[str, str] = {}
     for label, names in PACKAGES.items():
-        out[label] = ABSENT
-        for name in names:
-            try:
-                out[label] = f"{importlib.metadata.version(name)} ({name})"
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
+        name, version = first_installed(names)
+        out[label] = f"{version} ({name})" if name else ABSENT
     return out
 
 def _first_lines(text: str, n: int = 4) -> str:
@@ -111,10 +117,11 @@ def nics(root: Path = SYS_NET) -> list[dict[str, Any]]:
                     "mtu": _read(path / "mtu"), "addresses": addrs.get(path.name, [])})
     return out
 
-def rdma_devices(root: Path = SYS_INFINIBAND) -> list[dict[str, Any]]:
+def rdma_devices(root: Path = options.SYS_INFINIBAND) -> list[dict[str, Any]]:
     """RDMA devices the kernel lists (what Mooncake's ``device_name`` names), with each port's state and link."""
     out = []
-    for dev in sorted(root.iterdir()) if root.is_dir() else []:
+    for name in options.rdma_devices(root):
+        dev = root / name
         ports = []
         for port in sorted((dev / "ports").iterdir()) if (dev / "ports").is_dir() else []:
             ports.append({"port": port.name, "state": _read(port / "state"),

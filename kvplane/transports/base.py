@@ -20,6 +20,7 @@ import msgspec
 
 from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
+from kvplane.transports.options import NIXL_DEFAULT_BACKENDS
 
 Op = Literal["READ", "WRITE"]
 DEFAULT_TIMEOUT_S = 30.0
@@ -47,7 +48,7 @@ class TransportConfig:
     # and RDMA NICs ("" = discover); the NIXL backends to start
     protocol: str = ""
     device_name: str = ""
-    nixl_backends: tuple[str, ...] = ("UCX",)
+    nixl_backends: tuple[str, ...] = NIXL_DEFAULT_BACKENDS
 
 
 class Transfer(ABC):

@@ -29,21 +29,12 @@ RDMA_PROTOCOLS = ("rdma", "rdma_twosided", "efa", "barex")  # the ones device_na
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
 NIXL_DEFAULT_BACKENDS: tuple[str, ...] = ("UCX",)
 SYS_INFINIBAND = Path("/sys/class/infiniband")
-SYS_NET = Path("/sys/class/net")
 _NIC = re.compile(r"^[A-Za-z0-9_.:-]+$")
 _PLUGIN = re.compile(r"^libplugin_(?P<name>[A-Za-z0-9_]+)\.so$")
 
 
 def rdma_devices(root: Path = SYS_INFINIBAND) -> list[str]:
     """The RDMA devices the kernel lists (``mlx5_0``...); empty where there are none or no sysfs."""
-    try:
-        return sorted(p.name for p in root.iterdir())
-    except OSError:
-        return []
-
-
-def net_devices(root: Path = SYS_NET) -> list[str]:
-    """The network interfaces the kernel lists (``lo``, ``eth0``...)."""
     try:
         return sorted(p.name for p in root.iterdir())
     except OSError:

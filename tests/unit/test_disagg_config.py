@@ -14,7 +14,6 @@ from ports import free_port
 
 from kvplane.backend import get_backend
 from kvplane.flows.disagg import DisaggConfig, PrefillSide, TransferParams
-from kvplane.flows.disagg.addresses import instance_ports
 from kvplane.flows.disagg.errors import DisaggConfigError
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvplane.kv.binding import allocate_cache
@@ -115,7 +114,9 @@ def test_the_authentication_rule_applies_to_the_bind_address_not_the_advertised_
 def test_ports_count_up_by_tp_rank_within_each_dp_rank() -> None:
     config = DisaggConfig.from_dict({**E, "port": 5600, "rank": 1, "tp_size": 2, "dp_rank": 1}, env={})
     assert (config.base_port(), config.rank_port(), config.rank_port(0)) == (5602, 5603, 5602)
-    assert instance_ports(5600, 2, 2) == [5600, 5601, 5602, 5603]
+    ports = [DisaggConfig(engine_id="e", port=5600, tp_size=2, dp_rank=d, rank=r).rank_port()
+             for d in range(2) for r in range(2)]
+    assert ports == [5600, 5601, 5602, 5603]
     assert DisaggConfig(engine_id="e", dp_rank=3).rank_port() == 0  # port 0: any free port
 
 

@@ -39,11 +39,6 @@ def rank_port(port: int, dp_rank: int, tp_size: int, tp_rank: int) -> int:
     return dp_base_port(port, dp_rank, tp_size) + tp_rank if port else 0
 
 
-def instance_ports(port: int, dp_size: int, tp_size: int) -> list[int]:
-    """Every side-channel port of an instance with ``dp_size`` DP ranks on one host, in order."""
-    return [rank_port(port, d, tp_size, r) for d in range(dp_size) for r in range(tp_size)] if port else []
-
-
 def env_overrides(env: Mapping[str, str], error: type[Exception], what: str) -> dict[str, Any]:
     """The config keys the environment sets, typed; ``error`` names a variable whose value cannot be used."""
     out: dict[str, Any] = {}
