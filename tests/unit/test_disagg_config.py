@@ -4,6 +4,7 @@ protocol/NIC and NIXL backends checked against what the engines accept; one buil
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,24 @@ def test_a_nixl_backend_that_is_installed_but_cannot_start_is_refused_naming_it(
         pytest.skip("needs a NIXL with a GDS plugin on a machine without a GPU (where GDS cannot start)")
     with pytest.raises((TransportError, TransportUnavailable), match=r"backends \['GDS'\]"):
         NixlTransport(get_backend("cpu"), TransportConfig(nixl_backends=("GDS",))).close()
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", "*", "[::]"])
+def test_a_wildcard_advertised_host_is_refused_pointing_at_bind_host(wildcard: str) -> None:
+    """Peers would connect to 0.0.0.0, which is their own machine: the decode reads the wrong instance or none."""
+    with pytest.raises(DisaggConfigError, match=rf"DisaggConfig.host='{re.escape(wildcard)}' .*bind_host"):
+        DisaggConfig(engine_id="e", host=wildcard, allow_unauthenticated=True)
+    with pytest.raises(ConnectorConfigError, match=r"\$KVPLANE_SIDE_CHANNEL_HOST"):
+        ConnectorConfig.from_extra({"disagg": {"allow_unauthenticated": True}}, role="kv_producer", engine_id="e",
+                                   env={"KVPLANE_SIDE_CHANNEL_HOST": wildcard})
+
+
+def test_a_bad_value_from_the_environment_names_the_variable_that_set_it() -> None:
+    env = {"KVPLANE_MOONCAKE_PROTOCOL": "rmda"}
+    with pytest.raises(DisaggConfigError, match=r"\$\.protocol='rmda' .*set by \$KVPLANE_MOONCAKE_PROTOCOL"):
+        DisaggConfig.from_dict(E, env=env)
+    with pytest.raises(ConnectorConfigError, match=r"\$\.disagg\.protocol='rmda' .*set by \$KVPLANE_MOONCAKE_PROTOCOL"):
+        ConnectorConfig.from_extra({"disagg": {}}, role="kv_producer", engine_id="e", env=env)
+    with pytest.raises(ConnectorConfigError, match=r"\$\.disagg\.port=0.*set by \$KVPLANE_SIDE_CHANNEL_PORT"):
+        ConnectorConfig.from_extra({"disagg": {}}, role="kv_producer", engine_id="e",
+                                   env={"KVPLANE_SIDE_CHANNEL_PORT": "0"})

@@ -11,7 +11,10 @@ engines are named by it too); ``bind_host`` is the address the side channel bind
 
 Environment overrides, in vLLM's naming style (``VLLM_NIXL_SIDE_CHANNEL_HOST``). Precedence: a variable that is
 set (non-empty) wins over the config's key, which wins over the default; ``DisaggConfig(...)`` built in code
-reads no environment, ``DisaggConfig.from_dict`` and the vLLM connector's config do.
+reads no environment, ``DisaggConfig.from_dict`` and the vLLM connector's config do, and an error about a field a
+variable set names the variable (``blame``).
+
+``host`` is never a wildcard (``0.0.0.0``, ``::``, ``*``): peers would connect to their own machine.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ ENV_FIELDS: dict[str, str] = {
     "KVPLANE_MOONCAKE_DEVICE": "device_name",
     "KVPLANE_NIXL_BACKENDS": "nixl_backends",
 }
+WILDCARDS = ("0.0.0.0", "::", "*")  # bind-only addresses: never what a peer is told to connect to
+
+
+def is_wildcard(host: str) -> bool:
+    return host.strip("[]") in WILDCARDS
 
 
 def dp_base_port(port: int, dp_rank: int, tp_size: int) -> int:
@@ -60,3 +68,11 @@ def env_overrides(env: Mapping[str, str], error: type[Exception], what: str) -> 
 def env_used(env: Mapping[str, str]) -> dict[str, str]:
     """The overrides set in ``env``, by variable (for ``kvplane info`` and the startup line)."""
     return {name: env[name] for name in ENV_FIELDS if env.get(name, "").strip()}
+
+
+def blame(message: str, env: Mapping[str, str]) -> str:
+    """A config error ``message`` with the variables of ``env`` that set the field it names (``$.disagg.port=``),
+    so the user looks in the environment, not the config file."""
+    used = env_used(env)
+    hits = [f"${name}={value!r}" for name, value in used.items() if f".{ENV_FIELDS[name]}=" in message]
+    return f"{message} (set by {', '.join(hits)}, which overrides the config)" if hits else message

@@ -101,6 +101,9 @@ class DisaggConfig:
                 raise _bad(name, getattr(self, name), "must be an address or host name")
         if not self.host:
             raise _bad("host", self.host, "must be the address peers reach this rank at")
+        if addresses.is_wildcard(self.host):
+            raise _bad("host", self.host, "is a wildcard, but host is the address peers are told to connect to; "
+                                          "put it in bind_host and set host to this machine's address")
         if self.mode not in MODES:
             raise _bad("mode", self.mode, f"is unknown; choose one of {list(MODES)}")
         self._check_transport()
@@ -176,5 +179,9 @@ class DisaggConfig:
         """``raw`` with the environment's overrides on top (``addresses.ENV_FIELDS``), typed and checked."""
         if not isinstance(raw, Mapping):
             raise DisaggConfigError(f"{what}: {path}={raw!r} must be an object of DisaggConfig fields")
-        merged = {**raw, **addresses.env_overrides(os.environ if env is None else env, DisaggConfigError, what)}
-        return build(cls, merged, what=what, error=DisaggConfigError, path=path)
+        env = os.environ if env is None else env
+        merged = {**raw, **addresses.env_overrides(env, DisaggConfigError, what)}
+        try:
+            return build(cls, merged, what=what, error=DisaggConfigError, path=path)
+        except DisaggConfigError as e:
+            raise DisaggConfigError(addresses.blame(str(e), env)) from e

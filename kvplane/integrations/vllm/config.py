@@ -33,7 +33,7 @@ from typing import Any, Literal
 from kvplane.backend.registry import default_registry as backends
 from kvplane.config import build, check_keys
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg.addresses import env_overrides
+from kvplane.flows.disagg.addresses import blame, env_overrides
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.errors import DisaggConfigError
 from kvplane.flows.offload.config import OffloadConfig
@@ -156,8 +156,9 @@ class ConnectorConfig:
         if typed.offload is not None:
             offload = OffloadConfig.from_dict(typed.offload, what=WHAT, path="$.offload")
         disagg = None
+        env = os.environ if env is None else env
         if typed.disagg is not None:
-            raw = {**typed.disagg, **env_overrides(os.environ if env is None else env, ConnectorConfigError, WHAT)}
+            raw = {**typed.disagg, **env_overrides(env, ConnectorConfigError, WHAT)}
             clash = sorted(set(raw) & set(FROM_VLLM))
             if clash:
                 raise ConnectorConfigError(
@@ -165,11 +166,10 @@ class ConnectorConfig:
                     f"kv_transfer_config.engine_id, rank, tp_size and dp_rank from the parallel config); remove them"
                 )
             if raw.get("port", DEFAULT_PORT) == 0:
-                raise ConnectorConfigError(
+                raise ConnectorConfigError(blame(
                     f"{WHAT}: $.disagg.port=0: the scheduler puts the port into kv_transfer_params before the "
                     f"workers bind it, so it must be fixed; pick a base port (TP rank r of DP rank d listens on "
-                    f"port + d*tp_size + r)"
-                )
+                    f"port + d*tp_size + r)", env))
             disagg = dict(raw)
         config = cls(role, safe_id, boot_id, tp_size, offload, disagg, typed.device, typed.layouts,
                      typed.lookup_timeout_s, typed.cross_layer_blocks, dp_rank)
@@ -177,5 +177,5 @@ class ConnectorConfig:
             try:
                 config.disagg_for(0)  # every type and DisaggConfig check, now rather than in a worker
             except DisaggConfigError as e:
-                raise ConnectorConfigError(str(e)) from e
+                raise ConnectorConfigError(blame(str(e), env)) from e
         return config
