@@ -116,7 +116,8 @@ def render(info: dict[str, Any]) -> str:
                  "RDMA devices: none seen (/sys/class/infiniband)")
     lines += [f"  {d['name']:<12} " + ", ".join(f"port {p['port']} {p['state']} {p['link_layer']}" for p in d["ports"])
               for d in info["rdma_devices"]]
-    lines.append("environment:" if info["environment"] else "environment: no KVPLANE_*, MC_*, UCX_*, NIXL_* set")
+    watched = ", ".join([f"{p}*" for p in system.ENV_PREFIXES] + list(system.ENV_NAMES))
+    lines.append("environment:" if info["environment"] else f"environment: none of {watched} set")
     lines += [f"  {k}={v}" for k, v in info["environment"].items()]
     lines += sidechannel.render(info["side_channel"])
     return "\n".join(lines)
