@@ -5,7 +5,9 @@ The parallel configs are vLLM's own ``ParallelConfig``, set up as ``EngineCorePr
 (vllm/v1/engine/core.py) sets up each DP engine process: ``data_parallel_index`` is the DP rank, and for a dense
 (non-MoE) model ``data_parallel_rank`` is reset to 0 (0.33: ``reconfigure_for_independent_dp_rank``), which is
 why kvplane cannot use ``data_parallel_rank`` to tell DP ranks apart. Each DP engine's ``engine_id`` carries
-vLLM's ``_dp{rank}`` suffix, as core.py appends it.
+vLLM's ``_dp{rank}`` suffix, as core.py appends it. Each DP engine is a ``MiniEngine`` (minivllm.py): vLLM's
+connector factory builds its scheduler and TP worker connectors, whose side channels really bind, and requests
+are vLLM ``Request`` objects.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
@@ -25,6 +28,7 @@ from minivllm import MiniEngine  # noqa: E402
 from ports import free_port  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 
 from kvplane.flows.disagg.params import TransferParams  # noqa: E402
 from kvplane.integrations.vllm import KVPlaneConnector  # noqa: E402
@@ -54,34 +58,58 @@ def scheduler_connector(parallel: ParallelConfig, dp_rank: int, extra: dict[str,
                                 kv_role="kv_producer", kv_connector_extra_config=extra, engine_id=f"p_dp{dp_rank}")
     vllm_config = SimpleNamespace(kv_transfer_config=transfer, parallel_config=parallel,
                                   cache_config=CacheConfig(block_size=BLOCK), instance_id="launch-1")
-    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(
-        block_size=BLOCK))])
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     return KVPlaneConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
-def finished_prefill(request_id: str) -> Any:
-    return SimpleNamespace(request_id=request_id, kv_transfer_params={"do_remote_decode": True},
-                           status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), num_computed_tokens=32,
-                           num_prompt_tokens=32)
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1 (the kernel may hand them out again later)."""
+    for _ in range(50):
+        base = free_port()
+        if base + count > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+def dp_prefills(dp_size: int, tp_size: int, extra: dict[str, Any], *, moe: bool = False) -> list[MiniEngine]:
+    """One prefill engine (scheduler and TP workers) per DP rank of one host, as vLLM starts them."""
+    engines: list[MiniEngine] = []
+    try:
+        for d in range(dp_size):
+            engines.append(MiniEngine(extra, "kv_producer", tp_size=tp_size, engine_id=f"p_dp{d}",
+                                      parallel=engine_parallel_config(dp_size, d, tp_size, moe=moe)))
+    except BaseException:
+        for engine in engines:
+            engine.shutdown()
+        raise
+    return engines
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_dp_ranks_on_one_host_listen_on_disjoint_ports_and_each_scheduler_advertises_its_own(moe: bool) -> None:
     dp_size, tp_size = 2, 2
-    listened: dict[int, tuple[int, int]] = {}
-    for d in range(dp_size):
-        connector = scheduler_connector(engine_parallel_config(dp_size, d, tp_size, moe=moe), d,
-                                        {"disagg": {"mode": "pull", "port": BASE}})
-        _, raw = connector.request_finished_all_groups(finished_prefill(f"req-{d}"), ([1, 2],))
-        assert raw is not None
-        params = TransferParams.from_dict(raw)
-        for r in range(tp_size):
-            port = connector.config.disagg_for(r).rank_port()  # what TP worker r of this engine binds
-            assert port not in listened, f"DP {d} TP {r} collides with DP/TP {listened.get(port)} on port {port}"
-            listened[port] = (d, r)
-            assert params.remote_port + r == port  # a decode reading rank r reaches that worker
-        connector.shutdown()
-    assert sorted(listened) == list(range(BASE, BASE + dp_size * tp_size))
+    port = free_ports(dp_size * tp_size)
+    engines = dp_prefills(dp_size, tp_size, {"disagg": {"mode": "pull", "port": port}}, moe=moe)
+    try:
+        bound = [[w._worker.prefill.port for w in engine.workers] for engine in engines]  # what each worker bound
+        assert bound == [[port + d * tp_size + r for r in range(tp_size)] for d in range(dp_size)]
+        for d, engine in enumerate(engines):
+            done = engine.run(f"req-{d}", PROMPT, {"do_remote_decode": True})
+            assert done.kv_transfer_params is not None
+            params = TransferParams.from_dict(done.kv_transfer_params)
+            assert [params.remote_port + r for r in range(params.tp_size)] == bound[d]  # what a decode reaches
+    finally:
+        for engine in engines:
+            engine.shutdown()
 
 
 def vllm_mooncake_port_function() -> Any:
@@ -112,23 +140,6 @@ def test_the_port_arithmetic_matches_vllms_own_mooncake_connector(monkeypatch: p
         connector.shutdown()
 
 
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports free on 127.0.0.1 (the kernel may hand them out again later)."""
-    for _ in range(50):
-        base = free_port()
-        if base + count > 65536:
-            continue
-        try:
-            with contextlib.ExitStack() as held:
-                for port in range(base, base + count):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
-
-
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
 def test_a_decode_pulls_from_the_tp_ranks_of_the_prefills_second_dp_rank(prefill_tp: int, decode_tp: int) -> None:
     """DP rank 1 of a prefill instance listens above DP rank 0's ports; a decode of another TP size (and DP rank 0)
@@ -155,11 +166,19 @@ def test_a_decode_pulls_from_the_tp_ranks_of_the_prefills_second_dp_rank(prefill
 
 def test_the_scheduler_advertises_the_environments_host_and_port_over_the_config(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    port = free_ports(4)
     monkeypatch.setenv("KVPLANE_SIDE_CHANNEL_HOST", "127.0.0.9")
-    monkeypatch.setenv("KVPLANE_SIDE_CHANNEL_PORT", "6200")
-    connector = scheduler_connector(engine_parallel_config(2, 1, 2, moe=False), 1,
-                                    {"disagg": {"mode": "pull", "host": "127.0.0.2", "port": BASE}})
-    _, raw = connector.request_finished_all_groups(finished_prefill("req-env"), ([3],))
-    assert raw is not None and (raw["remote_host"], raw["remote_port"]) == ("127.0.0.9", 6202)
-    assert connector.config.disagg_for(1).rank_port() == 6203
-    connector.shutdown()
+    monkeypatch.setenv("KVPLANE_SIDE_CHANNEL_PORT", str(port))
+    engines = dp_prefills(2, 2, {"disagg": {"mode": "pull", "host": "127.0.0.2", "port": BASE}})
+    try:
+        done = engines[1].run("req-env", PROMPT, {"do_remote_decode": True})
+        assert done.kv_transfer_params is not None
+        assert (done.kv_transfer_params["remote_host"], done.kv_transfer_params["remote_port"]) == ("127.0.0.9",
+                                                                                                    port + 2)
+        for r, worker in enumerate(engines[1].workers):  # listening where the scheduler said, on that address
+            assert worker._worker.prefill.port == port + 2 + r
+            with socket.create_connection(("127.0.0.9", port + 2 + r), timeout=5):
+                pass
+    finally:
+        for engine in engines:
+            engine.shutdown()
