@@ -1,4 +1,5 @@
-"""NIXL transport: one NIXL agent with the UCX backend, peers joined by exchanging agent metadata.
+"""NIXL transport: one NIXL agent with the configured backends (UCX by default), peers joined by exchanging agent
+metadata.
 
 Flows create it through the transport registry. ``PeerInfo.metadata`` carries this agent's metadata (taken
 after ``register``, so it names the registered memory); ``connect`` loads a peer's with ``add_remote_agent``.
