@@ -85,6 +85,22 @@ def _scheduler_output(new: list[NewRequestData], cached: CachedRequestData, toke
 CROSS_LAYER_HOOK = hasattr(KVConnectorBase_V1, "register_cross_layers_kv_cache")
 
 
+def engine_parallel_config(dp_size: int, dp_rank: int, tp_size: int, *, moe: bool) -> ParallelConfig:
+    """vLLM's ParallelConfig of DP engine ``dp_rank`` as ``EngineCoreProc.run_engine_core`` (vllm/v1/engine/core.py)
+    leaves it: ``data_parallel_index`` the DP rank; for a dense model ``data_parallel_rank`` reset to 0."""
+    config = ParallelConfig(tensor_parallel_size=tp_size, data_parallel_size=dp_size)
+    config.data_parallel_index = dp_rank
+    if moe:
+        config.data_parallel_rank = dp_rank
+    elif hasattr(config, "reconfigure_for_independent_dp_rank"):  # vLLM 0.33
+        config.reconfigure_for_independent_dp_rank()
+    else:  # vLLM 0.27.1 does these three assignments inline
+        config.data_parallel_size = 1
+        config.data_parallel_size_local = 1
+        config.data_parallel_rank = 0
+    return config
+
+
 class MiniEngine:
     def __init__(
         self, extra: dict[str, Any], kv_role: str = "kv_both", *, groups: tuple[tuple[int, int], ...] = ((2, 16),),

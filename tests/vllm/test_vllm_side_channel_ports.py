@@ -13,7 +13,6 @@ are vLLM ``Request`` objects.
 from __future__ import annotations
 
 import ast
-import contextlib
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,8 +23,8 @@ import torch
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
-from minivllm import MiniEngine  # noqa: E402
-from ports import free_port  # noqa: E402
+from minivllm import MiniEngine, engine_parallel_config  # noqa: E402
+from ports import free_ports  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
@@ -38,21 +37,6 @@ BASE = 5600
 PROMPT = [(i * 41 + 7) % 977 for i in range(90)]
 
 
-def engine_parallel_config(dp_size: int, dp_rank: int, tp_size: int, *, moe: bool) -> ParallelConfig:
-    """The ParallelConfig of DP engine ``dp_rank`` once vLLM's engine core process has set it up."""
-    config = ParallelConfig(tensor_parallel_size=tp_size, data_parallel_size=dp_size)
-    config.data_parallel_index = dp_rank
-    if moe:
-        config.data_parallel_rank = dp_rank
-    elif hasattr(config, "reconfigure_for_independent_dp_rank"):  # vLLM 0.33
-        config.reconfigure_for_independent_dp_rank()
-    else:  # vLLM 0.27.1 does these three assignments inline
-        config.data_parallel_size = 1
-        config.data_parallel_size_local = 1
-        config.data_parallel_rank = 0
-    return config
-
-
 def scheduler_connector(parallel: ParallelConfig, dp_rank: int, extra: dict[str, Any]) -> KVPlaneConnector:
     transfer = KVTransferConfig(kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm",
                                 kv_role="kv_producer", kv_connector_extra_config=extra, engine_id=f"p_dp{dp_rank}")
@@ -61,23 +45,6 @@ def scheduler_connector(parallel: ParallelConfig, dp_rank: int, extra: dict[str,
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     return KVPlaneConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
-
-
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports free on 127.0.0.1 (the kernel may hand them out again later)."""
-    for _ in range(50):
-        base = free_port()
-        if base + count > 65536:
-            continue
-        try:
-            with contextlib.ExitStack() as held:
-                for port in range(base, base + count):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
 
 
 def dp_prefills(dp_size: int, tp_size: int, extra: dict[str, Any], *, moe: bool = False) -> list[MiniEngine]:
@@ -138,30 +105,6 @@ def test_the_port_arithmetic_matches_vllms_own_mooncake_connector(monkeypatch: p
         connector = scheduler_connector(parallel, d, {"disagg": {"mode": "pull", "port": 8998}})
         assert connector.config.disagg_for(0).base_port() == theirs_of(SimpleNamespace(parallel_config=parallel))
         connector.shutdown()
-
-
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_a_decode_pulls_from_the_tp_ranks_of_the_prefills_second_dp_rank(prefill_tp: int, decode_tp: int) -> None:
-    """DP rank 1 of a prefill instance listens above DP rank 0's ports; a decode of another TP size (and DP rank 0)
-    reaches every one of its TP ranks from ``remote_port`` alone and pulls the whole request."""
-    disagg = {"mode": "pull", "lease_s": 10.0, "heartbeat_s": 0.5}
-    port = free_ports(2 * prefill_tp)
-    prefill = MiniEngine({"disagg": {**disagg, "port": port}}, "kv_producer", tp_size=prefill_tp,
-                         engine_id="p_dp1", parallel=engine_parallel_config(2, 1, prefill_tp, moe=False))
-    decode = MiniEngine({"disagg": {**disagg, "port": free_port()}}, "kv_consumer", tp_size=decode_tp,
-                        engine_id="d_dp0", parallel=engine_parallel_config(2, 0, decode_tp, moe=False))
-    try:
-        assert [w._worker.prefill.port for w in prefill.workers] == [port + prefill_tp + r for r in range(prefill_tp)]
-        done = prefill.run("p-1", PROMPT, {"do_remote_decode": True})
-        assert done.kv_transfer_params["remote_port"] == port + prefill_tp
-        received = decode.run("d-1", PROMPT, done.kv_transfer_params)
-        prefill.pump("p-1")
-        assert received.external_tokens == len(PROMPT) and not received.load_errors
-        assert received.digest == done.digest == decode.reference_digest(PROMPT, len(PROMPT))
-        assert prefill.whole and decode.whole
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 def test_the_scheduler_advertises_the_environments_host_and_port_over_the_config(
