@@ -6,8 +6,8 @@ is wrong comes back as ``error`` naming the source, the path of the field (``$.o
 what was expected, and the choices of an enumerated field. A ``__post_init__`` that raises ``invalid(...)``
 lets the error name the exact field of a range check.
 
-Used by ``OffloadConfig``/``StoreConfig`` (``flows/offload/config.py``) and the connector's config
-(``integrations/vllm/config.py``); ``DisaggConfig.from_dict`` can adopt it the same way.
+Used by ``OffloadConfig``/``StoreConfig`` (``flows/offload/config.py``), ``DisaggConfig.from_dict``
+(``flows/disagg/config.py``) and the connector's config (``integrations/vllm/config.py``).
 """
 
 from __future__ import annotations

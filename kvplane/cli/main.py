@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from kvplane.errors import KvplaneError
@@ -12,8 +11,9 @@ from kvplane.errors import KvplaneError
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvplane", description="KV-cache transfer layer for LLM inference engines")
     sub = p.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="versions, backends, transfer engines")
-    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    from kvplane.cli.info import add_arguments as add_info_arguments
+
+    add_info_arguments(sub.add_parser("info", help="the report for a bug: versions, drivers, NICs, env, ports"))
     bench = sub.add_parser("bench", help="time kvplane against the raw baseline in the same process")
     bench.add_argument("--quick", action="store_true", help="fewer tokens")
     bench.add_argument("--full", action="store_true", help="every scenario at full size (the sweeps; minutes)")
@@ -36,11 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "info":
-            from kvplane.cli.info import collect, render
+            from kvplane.cli.info import run as info
 
-            data = collect()
-            print(json.dumps(data, indent=2) if args.json else render(data))
-            return 0
+            return info(args)
         if args.command == "proxy":
             from kvplane.proxy.cli import run as run_proxy
 

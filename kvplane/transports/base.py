@@ -21,6 +21,7 @@ import msgspec
 from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransportError
+from kvplane.transports.options import NIXL_DEFAULT_BACKENDS
 
 Op = Literal["READ", "WRITE"]
 DEFAULT_TIMEOUT_S = 30.0
@@ -44,6 +45,11 @@ class TransportConfig:
     retries: int = 3  # resubmissions of a failed batch
     backoff_s: float = 0.05  # first back-off, doubled per retry
     max_batch: int | None = None  # descriptors per engine call; None: the engine's own limit
+    # engine options (checked by DisaggConfig, transports/options.py): Mooncake's protocol ("" = the backend's)
+    # and RDMA NICs ("" = discover); the NIXL backends to start
+    protocol: str = ""
+    device_name: str = ""
+    nixl_backends: tuple[str, ...] = NIXL_DEFAULT_BACKENDS
 
 
 class Transfer(ABC):

@@ -108,8 +108,8 @@ class MooncakeTransport(Transport):
         finally:
             if own_timeout:
                 os.environ.pop(TIMEOUT_ENV, None)
-        protocol = self.backend.mooncake_protocol
-        rc = engine.initialize(self.config.host, "P2PHANDSHAKE", protocol, "")
+        protocol = self.config.protocol or self.backend.mooncake_protocol
+        rc = engine.initialize(self.config.host, "P2PHANDSHAKE", protocol, self.config.device_name)
         if rc != 0:
             raise TransportError(
                 f"mooncake initialize(host={self.config.host!r}, protocol={protocol!r}) returned {rc}; "

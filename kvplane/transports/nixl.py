@@ -1,4 +1,5 @@
-"""NIXL transport: one NIXL agent with the UCX backend, peers joined by exchanging agent metadata.
+"""NIXL transport: one NIXL agent with the configured backends (UCX by default), peers joined by exchanging agent
+metadata.
 
 Flows create it through the transport registry. ``PeerInfo.metadata`` carries this agent's metadata (taken
 after ``register``, so it names the registered memory); ``connect`` loads a peer's with ``add_remote_agent``.
@@ -101,15 +102,19 @@ class NixlTransport(Transport):
             added = [k for k in LOOPBACK_ENV if k not in os.environ]
             os.environ.update({k: LOOPBACK_ENV[k] for k in added})
         try:
-            agent = self._nixl.nixl_agent(self.agent_name, self._nixl.nixl_agent_config(backends=["UCX"]))
+            backends = list(self.config.nixl_backends)
+            agent = self._nixl.nixl_agent(self.agent_name, self._nixl.nixl_agent_config(backends=backends))
         except Exception as e:
-            raise TransportError(f"NIXL agent {self.agent_name!r} did not start: {type(e).__name__}: {e}") from e
+            raise TransportError(f"NIXL agent {self.agent_name!r} with backends {backends} did not start: "
+                                 f"{type(e).__name__}: {e}") from e
         finally:
             for key in added:
                 os.environ.pop(key, None)
-        if "UCX" not in agent.backends:
+        missing = [b for b in backends if b not in agent.backends]  # NIXL skips a missing plugin with a log line
+        if missing:
             raise TransportUnavailable(
-                f"{self.module} has no UCX plugin here (plugins: {agent.get_plugin_list()}); reinstall {self.module}"
+                f"{self.module} did not start backend(s) {missing} (plugins: {agent.get_plugin_list()}); choose "
+                f"TransportConfig.nixl_backends among them, or reinstall {self.module}"
             )
         return agent
 

@@ -85,17 +85,34 @@ def _scheduler_output(new: list[NewRequestData], cached: CachedRequestData, toke
 CROSS_LAYER_HOOK = hasattr(KVConnectorBase_V1, "register_cross_layers_kv_cache")
 
 
+def engine_parallel_config(dp_size: int, dp_rank: int, tp_size: int, *, moe: bool) -> ParallelConfig:
+    """vLLM's ParallelConfig of DP engine ``dp_rank`` as ``EngineCoreProc.run_engine_core`` (vllm/v1/engine/core.py)
+    leaves it: ``data_parallel_index`` the DP rank; for a dense model ``data_parallel_rank`` reset to 0."""
+    config = ParallelConfig(tensor_parallel_size=tp_size, data_parallel_size=dp_size)
+    config.data_parallel_index = dp_rank
+    if moe:
+        config.data_parallel_rank = dp_rank
+    elif hasattr(config, "reconfigure_for_independent_dp_rank"):  # vLLM 0.33
+        config.reconfigure_for_independent_dp_rank()
+    else:  # vLLM 0.27.1 does these three assignments inline
+        config.data_parallel_size = 1
+        config.data_parallel_size_local = 1
+        config.data_parallel_rank = 0
+    return config
+
+
 class MiniEngine:
     def __init__(
         self, extra: dict[str, Any], kv_role: str = "kv_both", *, groups: tuple[tuple[int, int], ...] = ((2, 16),),
         num_blocks: int = 48, split_kv: bool = False, policy: str = "recompute", engine_id: str | None = None,
-        mla: bool = False, tp_size: int = 1, cross_layer: bool = False,
+        mla: bool = False, tp_size: int = 1, cross_layer: bool = False, parallel: ParallelConfig | None = None,
     ) -> None:
         """``groups``: (layers, block size) per KV-cache group; ``split_kv``: Ascend-style tuples, (k, v) or for
         ``mla`` (nope, rope); otherwise vLLM CUDA's fused tensors, ``(2, nb, bs, h, d)`` or MLA's ``(nb, bs, 576)``.
         ``tp_size`` > 1: one worker connector per TP rank, each holding ``HEADS / tp_size`` heads (GQA).
         ``cross_layer``: one tensor for all layers, as vLLM allocates it for a connector that prefers cross-layer
-        blocks, handed over through ``register_cross_layers_kv_cache`` (one KV-cache group only)."""
+        blocks, handed over through ``register_cross_layers_kv_cache`` (one KV-cache group only). ``parallel``: vLLM's
+        ``ParallelConfig`` as a DP engine process holds it (its ``tensor_parallel_size`` must be ``tp_size``)."""
         self.mla, self.tp = mla, tp_size
         heads = HEADS // tp_size
         self.transfer_config = KVTransferConfig(
@@ -105,7 +122,7 @@ class MiniEngine:
         )
         self.block_sizes = [bs for _, bs in groups]
         self.vllm_config = SimpleNamespace(
-            kv_transfer_config=self.transfer_config, parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+            kv_transfer_config=self.transfer_config, parallel_config=parallel or ParallelConfig(tensor_parallel_size=tp_size),
             cache_config=CacheConfig(block_size=min(self.block_sizes)),
             scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False), model_config=None,
             instance_id=uuid.uuid4().hex[:5],

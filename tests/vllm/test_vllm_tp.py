@@ -7,22 +7,30 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
-from minivllm import MiniEngine  # noqa: E402
-from ports import free_port  # noqa: E402
+from minivllm import MiniEngine, engine_parallel_config  # noqa: E402
+from ports import free_port, free_ports  # noqa: E402
 
 PROMPT = [(i * 41 + 7) % 977 for i in range(90)]
 
 
+@pytest.mark.parametrize("prefill_dp_rank", [0, 1], ids=["dp0", "dp1"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_decode_pulls_every_heads_share_from_the_prefill_ranks(prefill_tp: int, decode_tp: int) -> None:
+def test_decode_pulls_every_heads_share_from_the_prefill_ranks(prefill_tp: int, decode_tp: int,
+                                                               prefill_dp_rank: int) -> None:
+    """The prefill is DP rank ``prefill_dp_rank`` of two (vLLM's ``data_parallel_index``): its TP ranks listen from
+    ``port + dp_rank * tp_size``, and a decode of another TP size (DP rank 0) reaches each from ``remote_port``."""
     disagg = {"mode": "pull", "lease_s": 10.0, "heartbeat_s": 0.5}
-    port = free_port()
-    prefill = MiniEngine({"disagg": {**disagg, "port": port}}, "kv_producer", tp_size=prefill_tp)
-    decode = MiniEngine({"disagg": {**disagg, "port": free_port()}}, "kv_consumer", tp_size=decode_tp)
+    port = free_ports(2 * prefill_tp)
+    base = port + prefill_dp_rank * prefill_tp
+    prefill = MiniEngine({"disagg": {**disagg, "port": port}}, "kv_producer", tp_size=prefill_tp,
+                         engine_id=f"p_dp{prefill_dp_rank}",
+                         parallel=engine_parallel_config(2, prefill_dp_rank, prefill_tp, moe=False))
+    decode = MiniEngine({"disagg": {**disagg, "port": free_port()}}, "kv_consumer", tp_size=decode_tp,
+                        engine_id="d_dp0", parallel=engine_parallel_config(2, 0, decode_tp, moe=False))
     try:
-        assert [w._worker.prefill.port for w in prefill.workers] == [port + r for r in range(prefill_tp)]
+        assert [w._worker.prefill.port for w in prefill.workers] == [base + r for r in range(prefill_tp)]
         done = prefill.run("p-1", PROMPT, {"do_remote_decode": True})
-        assert done.kv_transfer_params["tp_size"] == prefill_tp
+        assert (done.kv_transfer_params["tp_size"], done.kv_transfer_params["remote_port"]) == (prefill_tp, base)
         received = decode.run("d-1", PROMPT, done.kv_transfer_params)
         prefill.pump("p-1")
         assert received.external_tokens == len(PROMPT) and not received.load_errors

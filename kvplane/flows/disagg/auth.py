@@ -57,14 +57,14 @@ def curve_keys(config: DisaggConfig, role: str) -> CurveKeys | None:
             raise DisaggConfigError(
                 f"DisaggConfig names CURVE peer keys but no secret key: set curve_secret_key or {SECRET_ENV}"
             )
-        if not is_loopback(config.host) and not config.allow_unauthenticated:
+        if not is_loopback(config.listen_host) and not config.allow_unauthenticated:
             raise DisaggConfigError(
-                f"DisaggConfig.host={config.host!r} is not a loopback address and no CURVE keys are set: anyone "
+                f"DisaggConfig.bind_host/host={config.listen_host!r} is not a loopback address and no CURVE keys are set: anyone "
                 f"who reaches it could hold or end requests. Set curve_secret_key (or {SECRET_ENV}) with "
                 f"curve_server_key / curve_allowed_clients, or allow_unauthenticated=True to accept the risk"
             )
         logger.warning("kvplane %s rank %d: side channel on %s is unauthenticated (no CURVE keys)", role,
-                       config.rank, config.host)
+                       config.rank, config.listen_host)
         return None
     secret_b = _key(secret, "curve_secret_key")
     allowed = frozenset(_key(k, "curve_allowed_clients[]") for k in config.curve_allowed_clients)

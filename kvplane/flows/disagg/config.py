@@ -1,7 +1,10 @@
-"""Configuration of one prefill or decode rank: identity, side channel, transport, mode, and every bound.
+"""Configuration of one prefill or decode rank: identity, addresses, transport options, mode, and every bound.
 
-A frozen dataclass checked on construction; ``from_dict`` takes the JSON-ish dict an engine's config carries
-(vLLM's ``kv_connector_extra_config``). Every wait in the flow is bounded by one of these fields.
+A frozen dataclass checked on construction (range checks raise ``invalid(...)`` naming the field). ``from_dict``
+takes the JSON-ish dict an engine's config carries (vLLM's ``kv_connector_extra_config``), applies the
+environment overrides (``addresses.py``) and builds it with ``kvplane.config.build`` (msgspec): a wrong type or a
+misspelt transport, mode, protocol or NIXL backend is a ``DisaggConfigError`` naming its path (``$.port``),
+the value and the valid choices. Every wait in the flow is bounded by one of these fields.
 """
 
 from __future__ import annotations
@@ -11,21 +14,35 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvplane.flows.config_keys import check_keys
+from kvplane.config import build, invalid
+from kvplane.flows.disagg import addresses
 from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.transports import options
 
 Mode = Literal["pull", "push", "layerwise"]
 MODES: tuple[Mode, ...] = ("pull", "push", "layerwise")
 MiB = 1 << 20
+WHAT = "disaggregation config"
+
+
+def _bad(name: str, value: Any, problem: str) -> DisaggConfigError:
+    return invalid(DisaggConfigError, "DisaggConfig", name, value, problem)
 
 
 @dataclass(frozen=True)
 class DisaggConfig:
     """One rank of a prefill or decode instance.
 
-    ``port`` is the instance's side-channel base port: rank r of a prefill instance listens on ``port + r``
-    (0: any free port, read back from ``PrefillSide.port``). ``mode`` is ``pull`` (decode reads), ``push``
-    (prefill writes once the request is finished) or ``layerwise`` (prefill writes each layer as it is saved).
+    Addresses (``addresses.py``): ``host`` is the address peers reach this rank at (advertised in
+    ``kv_transfer_params.remote_host``); ``bind_host`` the address the side channel binds ("" = ``host``; e.g.
+    ``0.0.0.0``). ``port`` is the instance's side-channel base port: TP rank r of DP rank d listens on
+    ``port + d*tp_size + r`` (0: any free port, read back from ``PrefillSide.port``). ``mode`` is ``pull``
+    (decode reads), ``push`` (prefill writes once the request is finished) or ``layerwise`` (prefill writes each
+    layer as it is saved).
+
+    Transport options (``transports/options.py``): ``protocol`` is Mooncake's (``tcp``, ``rdma``, ``ascend``...;
+    "" = the backend's), ``device_name`` its comma-separated RDMA NICs ("" = discover), ``nixl_backends`` the
+    NIXL backends to start (``UCX``...), checked against the plugins the installed NIXL ships.
 
     ``boot_id`` names this lifetime of the instance: every rank of one instance must share it (an engine passes
     the id its launch drew), so kv_transfer_params name one lifetime and a restarted instance is recognised.
@@ -40,12 +57,17 @@ class DisaggConfig:
 
     engine_id: str
     boot_id: str = ""  # one lifetime of the instance, the same on all its ranks; "" draws a fresh one
-    rank: int = 0
+    rank: int = 0  # the TP rank
     tp_size: int = 1
-    host: str = "127.0.0.1"
+    dp_rank: int = 0  # the data-parallel rank (vLLM: parallel_config.data_parallel_index)
+    host: str = "127.0.0.1"  # advertised: what peers connect to
+    bind_host: str = ""  # what the side channel binds; "" = host
     port: int = 0
     transport: str = "mooncake"
     mode: Mode = "pull"
+    protocol: str = ""  # Mooncake's; "" = the backend's default (Backend.mooncake_protocol)
+    device_name: str = ""  # Mooncake's RDMA NICs, comma-separated; "" = discover
+    nixl_backends: tuple[str, ...] = options.NIXL_DEFAULT_BACKENDS
     lease_s: float = 30.0
     heartbeat_s: float = 5.0
     transfer_timeout_s: float = 30.0
@@ -61,57 +83,105 @@ class DisaggConfig:
     curve_secret_key: str = ""
     curve_server_key: str = ""
     curve_allowed_clients: tuple[str, ...] = ()
-    allow_unauthenticated: bool = False  # listen on a non-loopback host without keys: an explicit choice
+    allow_unauthenticated: bool = False  # listen on a non-loopback address without keys: an explicit choice
 
     def __post_init__(self) -> None:
         if not self.engine_id or "/" in self.engine_id:
-            raise DisaggConfigError(f"DisaggConfig.engine_id={self.engine_id!r} must be non-empty, without '/'")
+            raise _bad("engine_id", self.engine_id, "must be non-empty, without '/'")
         if not 0 <= self.rank < self.tp_size:
-            raise DisaggConfigError(
-                f"DisaggConfig.rank={self.rank} with tp_size={self.tp_size}: need 0 <= rank < tp_size"
-            )
-        if not 0 <= self.port < 65536 or (self.port and self.port + self.tp_size > 65536):
-            raise DisaggConfigError(f"DisaggConfig.port={self.port} must be 0 (any) or a base port < 65536 - tp_size")
+            raise _bad("rank", self.rank, f"with tp_size={self.tp_size}: need 0 <= rank < tp_size")
+        if self.dp_rank < 0:
+            raise _bad("dp_rank", self.dp_rank, "must be >= 0")
+        last = addresses.rank_port(self.port, self.dp_rank, self.tp_size, self.tp_size - 1)
+        if not 0 <= self.port < 65536 or last >= 65536:
+            raise _bad("port", self.port, f"must be 0 (any) or a base port with port + dp_rank*tp_size + tp_size "
+                                          f"<= 65536 (dp_rank={self.dp_rank}, tp_size={self.tp_size})")
+        for name in ("host", "bind_host"):
+            if " " in getattr(self, name) or "/" in getattr(self, name):
+                raise _bad(name, getattr(self, name), "must be an address or host name")
+        if not self.host:
+            raise _bad("host", self.host, "must be the address peers reach this rank at")
+        if addresses.is_wildcard(self.host):
+            raise _bad("host", self.host, "is a wildcard, but host is the address peers are told to connect to; "
+                                          "put it in bind_host and set host to this machine's address")
         if self.mode not in MODES:
-            raise DisaggConfigError(f"DisaggConfig.mode={self.mode!r} is unknown; use one of {MODES}")
+            raise _bad("mode", self.mode, f"is unknown; choose one of {list(MODES)}")
+        self._check_transport()
         for name in ("lease_s", "heartbeat_s", "transfer_timeout_s", "push_timeout_s", "drain_timeout_s",
                      "handshake_timeout_s", "probe_timeout_s"):
             if not getattr(self, name) > 0:
-                raise DisaggConfigError(f"DisaggConfig.{name}={getattr(self, name)!r} must be > 0 seconds")
+                raise _bad(name, getattr(self, name), "must be > 0 seconds")
         if self.heartbeat_s >= self.lease_s:
-            raise DisaggConfigError(
-                f"DisaggConfig.heartbeat_s={self.heartbeat_s} must be below lease_s={self.lease_s}, or leases "
-                f"expire between heartbeats (vLLM uses 5 s and 30 s)"
-            )
-        if self.staging_bytes < 0 or self.max_inflight < 1 or self.max_message_bytes < 4096:
-            raise DisaggConfigError(
-                f"DisaggConfig: staging_bytes={self.staging_bytes} must be >= 0, max_inflight={self.max_inflight} "
-                f">= 1, max_message_bytes={self.max_message_bytes} >= 4096"
-            )
+            raise _bad("heartbeat_s", self.heartbeat_s, f"must be below lease_s={self.lease_s}, or leases "
+                                                        f"expire between heartbeats (vLLM uses 5 s and 30 s)")
+        if self.staging_bytes < 0:
+            raise _bad("staging_bytes", self.staging_bytes, "must be >= 0")
+        if self.max_inflight < 1:
+            raise _bad("max_inflight", self.max_inflight, "must be >= 1")
+        if self.max_message_bytes < 4096:
+            raise _bad("max_message_bytes", self.max_message_bytes, "must be >= 4096")
+        self._check_auth()
 
+    def _check_transport(self) -> None:
+        from kvplane.transports.registry import default_registry
+
+        names = default_registry().names()
+        if self.transport not in names:
+            raise _bad("transport", self.transport, f"is not an installed transport; choose one of {sorted(names)}")
+        if self.protocol and self.protocol not in options.MOONCAKE_PROTOCOLS:
+            raise _bad("protocol", self.protocol,
+                       f"is not a Mooncake protocol; choose one of {list(options.MOONCAKE_PROTOCOLS)} (or '' for "
+                       f"the backend's)")
+        # no protocol: the backend's, known later (rdma on CUDA/MLU): the names are checked as RDMA NICs
+        problem = options.nic_problem(self.device_name, self.protocol or "rdma", options.rdma_devices())
+        if problem:
+            raise _bad("device_name", self.device_name, problem)
+        if not self.nixl_backends:
+            raise _bad("nixl_backends", list(self.nixl_backends), "is empty; choose from ['UCX', ...]")
+        installed = options.installed_nixl_backends()
+        unknown = [b for b in self.nixl_backends if b not in installed]
+        if installed and unknown:
+            raise _bad("nixl_backends", list(self.nixl_backends),
+                       f"names {unknown}, which the installed NIXL has no plugin for; choose from {list(installed)}")
+
+    def _check_auth(self) -> None:
         from kvplane.flows.disagg.auth import SECRET_ENV
         from kvplane.hosts import is_loopback
 
-        if not (self.curve_secret_key or os.environ.get(SECRET_ENV)) and not is_loopback(self.host) \
+        if not (self.curve_secret_key or os.environ.get(SECRET_ENV)) and not is_loopback(self.listen_host) \
                 and not self.allow_unauthenticated:
-            raise DisaggConfigError(
-                f"DisaggConfig.host={self.host!r} is not a loopback address and no CURVE keys are set: anyone who "
-                f"reaches it could hold or end requests. Set curve_secret_key (or {SECRET_ENV}) with "
-                f"curve_server_key / curve_allowed_clients, or allow_unauthenticated=True to accept the risk"
-            )
+            field = "bind_host" if self.bind_host else "host"
+            raise _bad(field, self.listen_host,
+                       f"is not a loopback address and no CURVE keys are set: anyone who reaches it could hold or "
+                       f"end requests. Set curve_secret_key (or {SECRET_ENV}) with curve_server_key / "
+                       f"curve_allowed_clients, or allow_unauthenticated=True to accept the risk")
+
+    @property
+    def listen_host(self) -> str:
+        """The address the side channel binds: ``bind_host``, else ``host``."""
+        return self.bind_host or self.host
+
+    def base_port(self) -> int:
+        """The first port of this DP rank, as ``kv_transfer_params.remote_port`` carries it (0: any)."""
+        return addresses.dp_base_port(self.port, self.dp_rank, self.tp_size)
 
     def rank_port(self, rank: int | None = None) -> int:
-        """The side-channel port of ``rank`` (this rank by default); 0 when the base port is 0."""
-        return self.port + (self.rank if rank is None else rank) if self.port else 0
+        """The side-channel port of TP rank ``rank`` of this DP rank (this rank by default); 0 when port is 0."""
+        return addresses.rank_port(self.port, self.dp_rank, self.tp_size, self.rank if rank is None else rank)
 
     def __repr__(self) -> str:  # never print the secret key
         shown = {k: v for k, v in self.__dict__.items() if k != "curve_secret_key"}
         return f"DisaggConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())}, curve_secret_key=<hidden>)"
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> DisaggConfig:
-        check_keys(cls, raw, "disaggregation config", DisaggConfigError)
-        data = dict(raw)
-        if isinstance(data.get("curve_allowed_clients"), list):  # JSON has no tuples
-            data["curve_allowed_clients"] = tuple(data["curve_allowed_clients"])
-        return cls(**data)
+    def from_dict(cls, raw: Mapping[str, Any], *, path: str = "$", what: str = WHAT,
+                  env: Mapping[str, str] | None = None) -> DisaggConfig:
+        """``raw`` with the environment's overrides on top (``addresses.ENV_FIELDS``), typed and checked."""
+        if not isinstance(raw, Mapping):
+            raise DisaggConfigError(f"{what}: {path}={raw!r} must be an object of DisaggConfig fields")
+        env = os.environ if env is None else env
+        merged = {**raw, **addresses.env_overrides(env, DisaggConfigError, what)}
+        try:
+            return build(cls, merged, what=what, error=DisaggConfigError, path=path)
+        except DisaggConfigError as e:
+            raise DisaggConfigError(addresses.blame(str(e), env)) from e

@@ -71,7 +71,8 @@ class LocalKV:
         transport_cls = get_transport_class(config.transport)
         self.transport: Transport = transport_cls(
             backend,
-            TransportConfig(host=config.host, timeout_s=config.transfer_timeout_s),
+            TransportConfig(host=config.host, timeout_s=config.transfer_timeout_s, protocol=config.protocol,
+                            device_name=config.device_name, nixl_backends=config.nixl_backends),
             agent_name=f"{config.engine_id}-{role}-{config.rank}-{self.boot_id[:8]}",
         )
         self.transport.register(backend.registration_spans(to_register))  # merged with the cache's spans

@@ -7,8 +7,10 @@ proxy forwards them unchanged. kvplane adds ``remote_num_tokens`` (tokens whose 
 request's token, ``tokens.py``: messages about the request count only with it). ``remote_block_ids`` is one
 list per KV-cache group, in the spec's group order, so the dict survives JSON.
 
-The constructor checks every field, as ``from_dict`` does; ``for_push`` builds what a proxy hands a decode
-instance (and, with the same token, the prefill instance) before the prefill has run.
+The constructor checks every field, as ``from_dict`` does. Two builders make them: ``from_prefill`` what a
+prefill rank (``PrefillSide.request_finished``) or the vLLM scheduler returns for a finished request, from the
+rank's ``DisaggConfig``; ``for_push`` what a proxy hands a decode instance (and, with the same token, the prefill
+instance) before the prefill has run.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from kvplane.flows.disagg.config import MODES, Mode
+from kvplane.flows.disagg.config import MODES, DisaggConfig, Mode
 from kvplane.flows.disagg.errors import TransferParamsError
 from kvplane.flows.disagg.tokens import is_token, new_token
 
@@ -27,7 +29,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_engine_id: str
     remote_request_id: str
     remote_host: str
-    remote_port: int  # the prefill instance's side-channel base port (rank r: + r)
+    remote_port: int  # the base side-channel port of the DP rank holding the request (TP rank r: + r)
     tp_size: int  # the prefill instance's TP size
     # known once the prefill finished (pull); a push is registered before, with these left empty
     remote_block_ids: list[list[int]] = msgspec.field(default_factory=list)  # one list per KV-cache group
@@ -60,6 +62,27 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
         for g, ids in enumerate(self.remote_block_ids):
             if any(b < 0 for b in ids):
                 raise TransferParamsError(f"kv_transfer_params.remote_block_ids[{g}] holds a negative block id")
+
+    @classmethod
+    def from_prefill(cls, config: DisaggConfig, request_id: str, block_ids: Sequence[Sequence[int]], *,
+                     block_size: int, num_tokens: int, token: str, port: int | None = None,
+                     boot_id: str | None = None) -> TransferParams:
+        """What a prefill rank returns for a finished request: its advertised ``host``, the base port of its DP
+        rank (``port``: the one bound, where the config's is 0), ``boot_id`` (the instance's, where the config
+        drew none), and ``block_ids`` one list per KV-cache group in the spec's order."""
+        return cls(
+            remote_engine_id=config.engine_id,
+            remote_request_id=request_id,
+            remote_block_ids=[[int(b) for b in ids] for ids in block_ids],
+            remote_host=config.host,
+            remote_port=config.base_port() if port is None else port,
+            tp_size=config.tp_size,
+            remote_block_size=block_size,
+            remote_num_tokens=num_tokens,
+            remote_boot_id=config.boot_id if boot_id is None else boot_id,
+            kvplane_mode=config.mode,
+            kvplane_token=token,
+        )
 
     @classmethod
     def for_push(cls, engine_id: str, request_id: str, host: str, port: int, *, tp_size: int = 1,

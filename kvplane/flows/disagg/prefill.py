@@ -94,7 +94,7 @@ class PrefillSide:
         self._engine_tokens: dict[str, str] = {}  # engine thread: handed over, not yet reported
         self._loop = IOLoop(f"kvplane-prefill-{config.rank}", self._tick, self._publish)
         self._guard = Guard(self._loop.context, curve_keys(config, "prefill"))
-        self._socket, self.port = channel.router(self._loop.context, config.host, config.rank_port(),
+        self._socket, self.port = channel.router(self._loop.context, config.listen_host, config.rank_port(),
                                                  config.max_message_bytes, self._guard.server)
         self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
                             config.max_inflight, self._loop.submit, flow=config.mode)
@@ -119,18 +119,10 @@ class PrefillSide:
         token = self._token(request_id, token)
         self._loop.submit(lambda: self._on_handed(request_id, ids, num_tokens, token, finished=True))
         group0 = self.spec.group(self.local.group_ids[0])
-        return TransferParams(
-            remote_engine_id=self.config.engine_id,
-            remote_request_id=request_id,
-            remote_block_ids=[ids[g].tolist() for g in self.local.group_ids],
-            remote_host=self.config.host,
-            remote_port=self.base_port,
-            tp_size=self.config.tp_size,
-            remote_block_size=group0.tokens_per_block,
-            remote_num_tokens=num_tokens,
-            remote_boot_id=self.local.boot_id,
-            kvplane_mode=self.config.mode,
-            kvplane_token=token,
+        return TransferParams.from_prefill(
+            self.config, request_id, [ids[g].tolist() for g in self.local.group_ids],
+            block_size=group0.tokens_per_block, num_tokens=num_tokens, token=token, port=self.base_port,
+            boot_id=self.local.boot_id,
         )
 
     def start_request(self, request_id: str, block_ids: PerGroup, num_tokens: int, *,

@@ -8,17 +8,24 @@
 
 ``offload`` turns on the host tier (and Mooncake Store behind it); ``disagg`` turns on prefill/decode transfer,
 the side following ``kv_role`` (producer: prefill, consumer: decode, both: both). Either or both may be given.
-The disaggregation fields are ``DisaggConfig``'s; ``engine_id``, ``boot_id``, ``rank`` and ``tp_size`` come from
-vLLM. Built in both the scheduler and every worker from the same dict with ``kvplane.config.build`` (msgspec): a
+The disaggregation fields are ``DisaggConfig``'s; ``engine_id``, ``boot_id``, ``rank``, ``tp_size`` and ``dp_rank``
+come from vLLM (``dp_rank`` is ``parallel_config.data_parallel_index``: vLLM resets ``data_parallel_rank`` to 0 in
+every engine of a dense model, so it cannot tell DP ranks apart). ``disagg.host`` is the advertised address,
+``disagg.bind_host`` the one the side channel binds; ``KVPLANE_SIDE_CHANNEL_HOST``, ``..._BIND_HOST``,
+``..._PORT``, ``KVPLANE_MOONCAKE_PROTOCOL``, ``KVPLANE_MOONCAKE_DEVICE`` and ``KVPLANE_NIXL_BACKENDS`` override
+them (``flows/disagg/addresses.py``; a set variable wins over the key). Built in both the scheduler and every
+worker from the same dict with ``kvplane.config.build`` (msgspec): a
 bad value raises ``ConnectorConfigError`` (or ``OffloadConfigError``) naming its path (``$.offload.host_bytes``),
 the value and the fix, before anything starts. Enumerated values are checked against what is there: ``device``
 against the installed backends, ``disagg.transport`` against the installed transports, ``layouts`` against
-kvplane's layouts and KV families, ``disagg.mode`` and ``offload.store.protocol`` against their choices.
+kvplane's layouts and KV families, ``disagg.mode``, ``disagg.protocol``, ``disagg.nixl_backends`` and
+``offload.store.protocol`` against their choices.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,15 +33,16 @@ from typing import Any, Literal
 from kvplane.backend.registry import default_registry as backends
 from kvplane.config import build, check_keys
 from kvplane.errors import KvplaneError
+from kvplane.flows.disagg.addresses import blame, env_overrides
 from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.errors import DisaggConfigError
 from kvplane.flows.offload.config import OffloadConfig
 from kvplane.kv.layouts import LAYOUTS
 from kvplane.kv.spec import FAMILY_SLOTS
-from kvplane.transports.registry import default_registry as transports
 
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 ROLES: tuple[Role, ...] = ("kv_producer", "kv_consumer", "kv_both")
-FROM_VLLM = ("engine_id", "boot_id", "rank", "tp_size")
+FROM_VLLM = ("engine_id", "boot_id", "rank", "tp_size", "dp_rank")
 DEFAULT_PORT = 5600  # the scheduler must know it to put it into kv_transfer_params, so 0 (any) is refused
 WHAT = "kv_connector_extra_config"
 
@@ -55,6 +63,14 @@ class ExtraConfig:
     cross_layer_blocks: bool = True
 
 
+def data_parallel_index(parallel_config: Any) -> int:
+    """The DP rank that tells engines apart: ``data_parallel_index`` (vLLM 0.27.1+), else ``data_parallel_rank``."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel_config, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
 def _one_of(path: str, value: Any, choices: list[str], what: str) -> None:
     if value not in choices:
         raise ConnectorConfigError(f"{WHAT}: {path}={value!r} is not {what}; choose one of {sorted(choices)}")
@@ -72,6 +88,7 @@ class ConnectorConfig:
     layouts: Mapping[str, str] | None = None
     lookup_timeout_s: float = 5.0
     cross_layer_blocks: bool = True  # ask vLLM for one tensor of all layers where its layout allows (NHD)
+    dp_rank: int = 0  # vLLM's data_parallel_index: DP ranks on one host listen on disjoint ports
 
     @property
     def is_prefill(self) -> bool:
@@ -87,25 +104,29 @@ class ConnectorConfig:
 
     @property
     def host(self) -> str:
+        """The advertised side-channel address (the environment's override applied)."""
         return str((self.disagg or {}).get("host", "127.0.0.1"))
 
     @property
     def port(self) -> int:
+        """The instance's base side-channel port; DP rank d's starts at ``port + d*tp_size``."""
         return int((self.disagg or {}).get("port", DEFAULT_PORT))
 
     def disagg_for(self, rank: int) -> DisaggConfig:
-        """The ``DisaggConfig`` of TP rank ``rank`` (the side channel listens on ``port + rank``)."""
+        """The ``DisaggConfig`` of TP rank ``rank`` of this DP rank (listening on ``port + dp_rank*tp_size +
+        rank``); the environment's overrides are already in ``disagg``."""
         raw = {"port": DEFAULT_PORT, **(self.disagg or {})}
-        return DisaggConfig.from_dict(
-            {**raw, "engine_id": self.engine_id, "boot_id": self.boot_id, "rank": rank, "tp_size": self.tp_size}
-        )
+        vllm = {"engine_id": self.engine_id, "boot_id": self.boot_id, "rank": rank, "tp_size": self.tp_size,
+                "dp_rank": self.dp_rank}
+        return DisaggConfig.from_dict({**raw, **vllm}, what=WHAT, path="$.disagg", env={})
 
     @classmethod
     def from_extra(
         cls, extra: Mapping[str, Any] | None, *, role: str | None, engine_id: str, instance_id: str = "",
-        tp_size: int = 1,
+        tp_size: int = 1, dp_rank: int = 0, env: Mapping[str, str] | None = None,
     ) -> ConnectorConfig:
-        """Parse and check ``kv_connector_extra_config``; ``role`` is ``kv_transfer_config.kv_role``."""
+        """Parse and check ``kv_connector_extra_config``; ``role`` is ``kv_transfer_config.kv_role``, ``dp_rank``
+        ``data_parallel_index(parallel_config)``; ``env`` (default ``os.environ``) holds the overrides."""
         extra = dict(extra or {})
         check_keys(ExtraConfig, extra, f"{WHAT}: $", ConnectorConfigError)
         if role not in ROLES:
@@ -135,24 +156,26 @@ class ConnectorConfig:
         if typed.offload is not None:
             offload = OffloadConfig.from_dict(typed.offload, what=WHAT, path="$.offload")
         disagg = None
+        env = os.environ if env is None else env
         if typed.disagg is not None:
-            raw = typed.disagg
+            raw = {**typed.disagg, **env_overrides(env, ConnectorConfigError, WHAT)}
             clash = sorted(set(raw) & set(FROM_VLLM))
             if clash:
                 raise ConnectorConfigError(
                     f"{WHAT}: $.disagg sets {clash}, which come from vLLM (engine_id from "
-                    f"kv_transfer_config.engine_id, rank and tp_size from the parallel config); remove them"
+                    f"kv_transfer_config.engine_id, rank, tp_size and dp_rank from the parallel config); remove them"
                 )
             if raw.get("port", DEFAULT_PORT) == 0:
-                raise ConnectorConfigError(
+                raise ConnectorConfigError(blame(
                     f"{WHAT}: $.disagg.port=0: the scheduler puts the port into kv_transfer_params before the "
-                    f"workers bind it, so it must be fixed; pick a base port (rank r listens on port + r)"
-                )
-            if "transport" in raw:
-                _one_of("$.disagg.transport", raw["transport"], transports().names(), "an installed transport")
-            vllm = {"engine_id": safe_id, "boot_id": boot_id, "rank": 0, "tp_size": tp_size}
-            build(DisaggConfig, {"port": DEFAULT_PORT, **raw, **vllm}, what=WHAT, error=ConnectorConfigError,
-                  path="$.disagg")  # every type and DisaggConfig check, now rather than in a worker
+                    f"workers bind it, so it must be fixed; pick a base port (TP rank r of DP rank d listens on "
+                    f"port + d*tp_size + r)", env))
             disagg = dict(raw)
-        return cls(role, safe_id, boot_id, tp_size, offload, disagg, typed.device, typed.layouts,
-                   typed.lookup_timeout_s, typed.cross_layer_blocks)
+        config = cls(role, safe_id, boot_id, tp_size, offload, disagg, typed.device, typed.layouts,
+                     typed.lookup_timeout_s, typed.cross_layer_blocks, dp_rank)
+        if disagg is not None:
+            try:
+                config.disagg_for(0)  # every type and DisaggConfig check, now rather than in a worker
+            except DisaggConfigError as e:
+                raise ConnectorConfigError(blame(str(e), env)) from e
+        return config

@@ -21,7 +21,7 @@ from kvplane.integrations.vllm.compat import (
     SupportsHMA,
     transfer_results,
 )
-from kvplane.integrations.vllm.config import ConnectorConfig
+from kvplane.integrations.vllm.config import ConnectorConfig, data_parallel_index
 from kvplane.integrations.vllm.metadata import KVPlaneMetadata, KVPlaneWorkerMeta
 from kvplane.integrations.vllm.scheduler import SchedulerSide
 from kvplane.integrations.vllm.stats import KVPlanePromMetrics, KVPlaneStats, WorkerStats
@@ -83,10 +83,11 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         configure_logging(inside_vllm=True)
         transfer = vllm_config.kv_transfer_config
         parallel = vllm_config.parallel_config
-        dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        dp_rank = data_parallel_index(parallel)
         self.config = ConnectorConfig.from_extra(
             transfer.kv_connector_extra_config, role=transfer.kv_role, engine_id=str(transfer.engine_id),
             instance_id=str(getattr(vllm_config, "instance_id", "")), tp_size=int(parallel.tensor_parallel_size),
+            dp_rank=dp_rank,
         )
         self.load_failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
         self._scheduler: SchedulerSide | None = None

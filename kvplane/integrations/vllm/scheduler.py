@@ -17,6 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.tokens import new_token
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
@@ -61,6 +62,7 @@ class SchedulerSide:
         self._aborting: set[str] = set()  # finished while its KV was arriving: vLLM delayed the free
         self._sending: set[str] = set()
         self._meta = KVPlaneMetadata()
+        self._advertised: DisaggConfig | None = None  # rank 0 of this DP rank, built on the first send
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _hashes(self, request: Any, group: int) -> list[int]:
@@ -279,19 +281,13 @@ class SchedulerSide:
         return str(params["kvplane_token"])
 
     def transfer_params(self, rid: str, ids: Groups, num_tokens: int, token: str = "") -> dict[str, Any]:
-        """What ``PrefillSide.request_finished`` would return, built here where vLLM needs it (see docs/vllm.md)."""
-        return TransferParams(
-            remote_engine_id=self.config.engine_id,
-            remote_request_id=rid,
-            remote_block_ids=[ids[g] for g in sorted(ids)],
-            remote_host=self.config.host,
-            remote_port=self.config.port,
-            tp_size=self.config.tp_size,
-            remote_block_size=self.block_sizes[0],
-            remote_num_tokens=num_tokens,
-            remote_boot_id=self.config.boot_id,
-            kvplane_mode=self.config.mode,  # type: ignore[arg-type]
-            kvplane_token=token,
+        """What ``PrefillSide.request_finished`` would return, built here where vLLM needs it (see docs/vllm.md):
+        the advertised host and the base port of this scheduler's DP rank (its TP ranks listen from there)."""
+        if self._advertised is None:
+            self._advertised = self.config.disagg_for(0)
+        return TransferParams.from_prefill(
+            self._advertised, rid, [ids[g] for g in sorted(ids)], block_size=self.block_sizes[0],
+            num_tokens=num_tokens, token=token,
         ).to_dict()
 
     def held_request_ids(self) -> dict[str, set[str]]:
