@@ -20,8 +20,6 @@ from kvplane.proxy.config import Instance
 from kvplane.proxy.errors import ProxyError
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-# known only once the prefill ran: a decode told ``remote_num_tokens=0`` would receive nothing
-NOT_KNOWN_BEFORE_PREFILL = ("remote_block_ids", "remote_block_size", "remote_num_tokens", "remote_boot_id")
 
 
 def check_request(path: str, body: Any, mode: str) -> dict[str, Any]:
@@ -88,11 +86,7 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
 
 
 def push_params(prefill: Instance, path: str, request_id: str, mode: str, token: str) -> dict[str, Any]:
-    """What the decode is told before the prefill ran: kvplane's ``TransferParams.for_push``, without the
-    fields only a finished prefill knows."""
-    params = TransferParams.for_push(prefill.engine_id, transfer_id(path, request_id), prefill.side_host,
-                                     prefill.side_port, tp_size=prefill.tp_size, mode=mode,  # type: ignore[arg-type]
-                                     token=token).to_dict()
-    for key in NOT_KNOWN_BEFORE_PREFILL:
-        params.pop(key, None)
-    return params
+    """What the decode is told before the prefill ran: kvplane's ``TransferParams.for_push``, as it is."""
+    return TransferParams.for_push(prefill.engine_id, transfer_id(path, request_id), prefill.side_host,
+                                   prefill.side_port, tp_size=prefill.tp_size, mode=mode,  # type: ignore[arg-type]
+                                   token=token).to_dict()

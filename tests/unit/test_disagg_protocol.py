@@ -66,6 +66,15 @@ def params(**over: object) -> dict[str, object]:
     return {**base, **over}
 
 
+def test_push_params_say_nothing_of_what_only_a_finished_prefill_knows() -> None:
+    """A decode reads a missing ``remote_num_tokens`` as "the whole prompt"; a 0 made it receive nothing."""
+    raw = TransferParams.for_push("p", "r", "10.0.0.1", 5600, mode="layerwise").to_dict()
+    assert not {"remote_num_tokens", "remote_block_ids", "remote_block_size", "remote_boot_id"} & raw.keys()
+    back = TransferParams.from_dict(json.loads(json.dumps(raw)))
+    assert back.kvplane_mode == "layerwise" and back.kvplane_token == raw["kvplane_token"]
+    assert back.remote_num_tokens == 0 and back.remote_block_ids == []
+
+
 def test_transfer_params_survive_json_as_a_proxy_forwards_them() -> None:
     raw = params()
     assert raw["do_remote_prefill"] is True and raw["do_remote_decode"] is False

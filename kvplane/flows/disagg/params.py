@@ -24,6 +24,9 @@ from kvplane.flows.disagg.config import MODES, DisaggConfig, Mode
 from kvplane.flows.disagg.errors import TransferParamsError
 from kvplane.flows.disagg.tokens import is_token, new_token
 
+# known once the prefill finished the request (pull); push params are made before, without them
+NOT_KNOWN_BEFORE_PREFILL = ("remote_block_ids", "remote_block_size", "remote_num_tokens", "remote_boot_id")
+
 
 class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_engine_id: str
@@ -96,7 +99,13 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
                    tp_size=tp_size, kvplane_mode=mode, kvplane_token=new_token() if token is None else token)
 
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
+        """The JSON-able dict; the fields only a finished prefill knows are left out while unset (push params),
+        so a decode reads "not known yet", never "the prefill holds 0 tokens"."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        if not self.remote_num_tokens and not self.remote_block_ids:
+            for key in NOT_KNOWN_BEFORE_PREFILL:
+                del out[key]
+        return out
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> TransferParams:
