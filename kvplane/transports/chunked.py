@@ -11,8 +11,8 @@ from typing import ClassVar
 
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransferTimeout, TransportError
-from kvplane.transports.base import Op, Transfer, TransportConfig
-from kvplane.transports.batching import Deadline, local_remote
+from kvplane.transports.base import Op, Transfer, TransportConfig, local_remote
+from kvplane.transports.batching import Deadline
 
 
 class ChunkedTransfer(Transfer):

@@ -33,9 +33,9 @@ from typing import Any
 
 from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
-from kvplane.errors import PeerUnreachable, PlanError, TransportError, TransportUnavailable
+from kvplane.errors import PeerUnreachable, PlanError, TransferFailed, TransportError, TransportUnavailable
 from kvplane.logs import quiet_engine_logs
-from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
+from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig, local_remote
 from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
 from kvplane.transports.mooncake_transfer import NOT_SUBMITTED, MooncakeTransfer
 
@@ -194,6 +194,18 @@ class MooncakeTransport(Transport):
             if not batch:  # 0: the engine could not open the peer's segment or refused the batch
                 return NOT_SUBMITTED
             return int(engine.get_batch_transfer_status([batch]))
+
+    def raw_move(self, peer: str, op: Op, plan: CopyPlan) -> None:
+        """The engine's own batch call (``batch_transfer_sync_read``/``_write``) on ``engine_limit`` descriptors
+        at a time, without kvplane's chunking, threads, checks or retries; the bench's baseline."""
+        engine = self._live()
+        local, remote = local_remote(op, plan)
+        call = engine.batch_transfer_sync_read if op == "READ" else engine.batch_transfer_sync_write
+        for i in range(0, len(plan), self.engine_limit):
+            j = i + self.engine_limit
+            rc = call(peer, local[i:j].tolist(), remote[i:j].tolist(), plan.length[i:j].tolist())
+            if rc != 0:
+                raise TransferFailed(f"raw mooncake batch returned {rc}")
 
     @contextmanager
     def _peer_lock(self, peer: str) -> Iterator[None]:

@@ -30,17 +30,26 @@ from typing import Any
 
 from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
-from kvplane.errors import PeerUnreachable, TransportError, TransportUnavailable
+from kvplane.errors import PeerUnreachable, TransferTimeout, TransportError, TransportUnavailable
 from kvplane.hosts import is_loopback
 from kvplane.logs import quiet_engine_logs
-from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
-from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
+from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig, local_remote
+from kvplane.transports.batching import (
+    Deadline,
+    batch_size,
+    check_op,
+    check_plan,
+    check_spans,
+    chunk_bounds,
+    descriptor_table,
+)
 from kvplane.transports.nixl_transfer import NixlTransfer
 
 MODULES = ("nixl_cu12", "nixl_cu13")
 INSTALL_HINT = "pip install nixl-cu12 (or nixl-cu13 on CUDA 13 machines)"
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}  # same-host peers: UCX on lo moves data by cma (single copy)
 RESTART_BACKOFF_MAX_S = 1.0
+RAW_WAIT_S = 120.0  # raw_move's bound on one request (the bench's baseline)
 RESTART_WAIT_S = 2.0  # how long connect() waits for an agent that is starting again after a reset
 logger = logging.getLogger("kvplane.transports")
 
@@ -189,6 +198,25 @@ class NixlTransport(Transport):
             self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
             transfer.start()
         return transfer
+
+    def raw_move(self, peer: str, op: Op, plan: CopyPlan) -> None:
+        """The engine's own batch call: one NIXL request for the whole plan (descriptors on device 0), polled
+        until DONE, without kvplane's chunking, checks or retries; the bench's baseline."""
+        local, remote = local_remote(op, plan)
+        with self.lock:
+            agent = self._live()
+            ldesc = agent.get_xfer_descs(descriptor_table(local, plan.length, 0), self.mem_type)
+            rdesc = agent.get_xfer_descs(descriptor_table(remote, plan.length, 0), self.mem_type)
+            handle = agent.initialize_xfer(op, ldesc, rdesc, peer)
+            state = agent.transfer(handle)
+        deadline = time.monotonic() + RAW_WAIT_S
+        while state != "DONE":
+            if state == "ERR" or time.monotonic() > deadline:
+                raise TransferTimeout(f"raw nixl transfer ended in state {state!r}")
+            with self.lock:
+                state = agent.check_xfer_state(handle)
+        with self.lock:
+            agent.release_xfer_handle(handle)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         self._check_open("notifications")
