@@ -7,33 +7,45 @@ in flight, the deadline, the error, and the messages that name them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransferTimeout, TransportError
 from kvplane.transports.base import Op, Transfer, TransportConfig, local_remote
-from kvplane.transports.batching import Deadline
+from kvplane.transports.batching import Deadline, batch_size, chunk_bounds
+
+
+@dataclass(frozen=True)
+class Job:
+    """One submitted plan: to or from ``peer``, split into ``chunks`` (``(start, stop)`` descriptor ranges),
+    ``notify`` delivered after the last, due by ``deadline``."""
+
+    peer: str
+    op: Op
+    plan: CopyPlan
+    chunks: list[tuple[int, int]]
+    notify: bytes | None
+    deadline: Deadline
+
+    @classmethod
+    def split(cls, config: TransportConfig, engine_limit: int, peer: str, op: Op, plan: CopyPlan,
+              notify: bytes | None) -> Job:
+        """``plan`` in chunks of ``TransportConfig.max_batch`` (at most ``engine_limit``), due in ``timeout_s``."""
+        chunks = chunk_bounds(len(plan), batch_size(config, engine_limit))
+        return cls(peer, op, plan, chunks, notify, Deadline.after(config.timeout_s))
 
 
 class ChunkedTransfer(Transfer):
-    """A plan split into ``chunks`` (``(start, stop)`` descriptor ranges) moved in order to or from ``peer``."""
+    """A ``Job``'s chunks, moved in order to or from its peer."""
 
     engine: ClassVar[str]  # the engine's name in messages: "mooncake", "NIXL"
 
-    def __init__(
-        self,
-        config: TransportConfig,
-        peer: str,
-        op: Op,
-        plan: CopyPlan,
-        chunks: list[tuple[int, int]],
-        notify: bytes | None,
-        deadline: Deadline,
-    ) -> None:
-        self._config, self._peer, self._op = config, peer, op
-        self._local, self._remote = local_remote(op, plan)
-        self._length = plan.length
-        self._chunks, self._notify, self._deadline = chunks, notify, deadline
+    def __init__(self, config: TransportConfig, job: Job) -> None:
+        self._config, self._peer, self._op = config, job.peer, job.op
+        self._local, self._remote = local_remote(job.op, job.plan)
+        self._length = job.plan.length
+        self._chunks, self._notify, self._deadline = job.chunks, job.notify, job.deadline
         self._index = 0  # the chunk in flight
         self._error: TransportError | None = None
         self._unsettled = False  # failed while the engine may still move some of it

@@ -36,7 +36,8 @@ from kvplane.descriptors import CopyPlan
 from kvplane.errors import PeerUnreachable, PlanError, TransferFailed, TransportError, TransportUnavailable
 from kvplane.logs import quiet_engine_logs
 from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig, local_remote
-from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
+from kvplane.transports.batching import Deadline, check_op, check_plan, check_spans
+from kvplane.transports.chunked import Job
 from kvplane.transports.mooncake_transfer import NOT_SUBMITTED, MooncakeTransfer
 
 INSTALL_HINT = (
@@ -167,11 +168,10 @@ class MooncakeTransport(Transport):
         if notify is not None and not len(plan):
             raise PlanError(f"mooncake carries notify={notify!r} on a transfer, and the plan is empty; "
                             f"send the notify with the last non-empty plan")
-        chunks = chunk_bounds(len(plan), batch_size(self.config, self.engine_limit))
         self._live()
         move = functools.partial(self.move, peer, op)
-        transfer = MooncakeTransfer(move, self.config, peer, op, plan, chunks, notify,
-                                    Deadline.after(self.config.timeout_s))
+        job = Job.split(self.config, self.engine_limit, peer, op, plan, notify)
+        transfer = MooncakeTransfer(move, self.config, job)
         with self._lock:
             self._check_open("submit")  # close() may have run since the check above
             self._transfers = [t for t in self._transfers if not t.finished] + [transfer]

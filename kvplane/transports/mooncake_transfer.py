@@ -15,11 +15,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransferFailed, TransferTimeout, TransportError
-from kvplane.transports.base import Op, TransportConfig
-from kvplane.transports.batching import Deadline, backoff_s
-from kvplane.transports.chunked import ChunkedTransfer
+from kvplane.transports.base import TransportConfig
+from kvplane.transports.batching import backoff_s
+from kvplane.transports.chunked import ChunkedTransfer, Job
 
 # one engine batch to the peer: (local, remote, lengths, notify) -> 0 when every descriptor landed,
 # NOT_SUBMITTED when nothing reached the engine, anything else when the engine failed it (it may still move)
@@ -30,24 +29,14 @@ MoveBatch = Callable[[list[int], list[int], list[int], "bytes | None"], int]
 class MooncakeTransfer(ChunkedTransfer):
     engine = "mooncake"
 
-    def __init__(
-        self,
-        move: MoveBatch,
-        config: TransportConfig,
-        peer: str,
-        op: Op,
-        plan: CopyPlan,
-        chunks: list[tuple[int, int]],
-        notify: bytes | None,
-        deadline: Deadline,
-    ) -> None:
-        super().__init__(config, peer, op, plan, chunks, notify, deadline)
+    def __init__(self, move: MoveBatch, config: TransportConfig, job: Job) -> None:
+        super().__init__(config, job)
         self._move = move
         self._cancelled = threading.Event()
         self._done = threading.Event()
         # _unsettled: an engine batch failed, its slices may still be queued in the engine
         self._engine_gone = False
-        self._thread = threading.Thread(target=self._run, name=f"kvplane-mooncake-{op.lower()}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"kvplane-mooncake-{job.op.lower()}", daemon=True)
 
     # -- caller side --------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -35,14 +35,12 @@ from kvplane.hosts import is_loopback
 from kvplane.logs import quiet_engine_logs
 from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig, local_remote
 from kvplane.transports.batching import (
-    Deadline,
-    batch_size,
     check_op,
     check_plan,
     check_spans,
-    chunk_bounds,
     descriptor_table,
 )
+from kvplane.transports.chunked import Job
 from kvplane.transports.nixl_transfer import NixlTransfer
 
 MODULES = ("nixl_cu12", "nixl_cu13")
@@ -190,11 +188,10 @@ class NixlTransport(Transport):
         if peer in self._unloaded:
             self._reload(peer)
         check_plan(op, plan, self._spans, self._peer_spans[peer], peer)
-        chunks = chunk_bounds(len(plan), batch_size(self.config, self.engine_limit))
         with self.lock:
             self._check_open("submit")  # close() may have run since the check above
-            transfer = NixlTransfer(self._live(), self.lock, (self.mem_type, self.dev_id), self.config, peer, op,
-                                    plan, chunks, notify, Deadline.after(self.config.timeout_s))
+            job = Job.split(self.config, self.engine_limit, peer, op, plan, notify)
+            transfer = NixlTransfer(self._live(), self.lock, (self.mem_type, self.dev_id), self.config, job)
             self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
             transfer.start()
         return transfer

@@ -15,11 +15,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransferFailed, TransferTimeout
-from kvplane.transports.base import Op
 from kvplane.transports.batching import Deadline, backoff_s, descriptor_table
-from kvplane.transports.chunked import ChunkedTransfer
+from kvplane.transports.chunked import ChunkedTransfer, Job
 
 if TYPE_CHECKING:
     from threading import RLock
@@ -43,14 +41,9 @@ class NixlTransfer(ChunkedTransfer):
         lock: RLock,
         memory: tuple[str, int],
         config: TransportConfig,
-        peer: str,
-        op: Op,
-        plan: CopyPlan,
-        chunks: list[tuple[int, int]],
-        notify: bytes | None,
-        deadline: Deadline,
+        job: Job,
     ) -> None:
-        super().__init__(config, peer, op, plan, chunks, notify, deadline)
+        super().__init__(config, job)
         self._agent, self._lock = agent, lock
         self._mem_type, self._dev_id = memory
         self._attempt = 0  # failed attempts of the chunk in flight
