@@ -81,6 +81,7 @@ class Transport(ABC):
     name: ClassVar[str]
     engine_limit: ClassVar[int]  # descriptors per batch the engine accepts by default
     generation: int = 0  # bumped by each ``reset`` and each restart: ``peer_info()`` may differ after each
+    _closed: bool = False  # set by ``close``; ``_check_open`` refuses calls after it
 
     def __init__(self, backend: Backend, config: TransportConfig | None = None, *, agent_name: str = "") -> None:
         self.backend = backend
@@ -133,6 +134,16 @@ class Transport(ABC):
         retries; blocking. The bench's baseline, not for flows. Raises ``TransferFailed`` or
         ``TransferTimeout`` when the engine fails it."""
         raise TransportError(f"the {self.name} transport has no raw engine call for the bench's baseline")
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise TransportError(f"{what}() on a closed {self.name} transport; create a new transport")
+
+    def _check_engine(self, peer: PeerInfo) -> None:
+        if peer.engine != self.name:
+            raise TransportError(
+                f"PeerInfo.engine={peer.engine!r} but this transport is {self.name!r}; both ranks must use one"
+            )
 
     def transfer(self, peer: str, op: Op, plan: CopyPlan, notify: bytes | None = None) -> None:
         """``submit`` then ``wait`` with the configured deadline."""

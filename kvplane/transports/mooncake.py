@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib import metadata
@@ -39,13 +38,13 @@ from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, Transport
 from kvplane.transports.batching import Deadline, check_op, check_plan, check_spans
 from kvplane.transports.chunked import Job
 from kvplane.transports.mooncake_transfer import NOT_SUBMITTED, MooncakeTransfer
+from kvplane.transports.restarts import RestartBackoff
 
 INSTALL_HINT = (
     "pip install mooncake-transfer-engine-non-cuda (CPU machines) or mooncake-transfer-engine (CUDA); "
     "never both, they install the same module"
 )
 TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"  # Mooncake's own bound on a blocking status call, seconds, at least 5
-RESTART_BACKOFF_MAX_S = 1.0
 logger = logging.getLogger("kvplane.transports")
 
 
@@ -86,8 +85,7 @@ class MooncakeTransport(Transport):
         self._lock = threading.Lock()
         self._closed = False
         self.generation = 0  # resets so far: peer_info() differs after each
-        self._retry_at = 0.0
-        self._failures = 0
+        self._restarts = RestartBackoff()
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -147,10 +145,7 @@ class MooncakeTransport(Transport):
 
     def connect(self, peer: PeerInfo) -> str:
         self._check_open("connect")
-        if peer.engine != self.name:
-            raise TransportError(
-                f"PeerInfo.engine={peer.engine!r} but this transport is {self.name!r}; both ranks must use one"
-            )
+        self._check_engine(peer)
         rc = self._live().send_probe(peer.name)
         if rc != 0:
             raise PeerUnreachable(
@@ -262,7 +257,7 @@ class MooncakeTransport(Transport):
             )
         with self._lock:
             engine, self._engine = self._engine, None
-            self._retry_at, self._failures = 0.0, 0
+            self._restarts.clear()
         if engine is not None:
             if self._spans:
                 engine.batch_unregister_memory([a for a, _ in self._spans])
@@ -290,9 +285,7 @@ class MooncakeTransport(Transport):
         with self._lock:
             if self._engine is not None:
                 return self._engine
-            if time.monotonic() < self._retry_at:
-                raise TransportError(f"the mooncake engine is down since a reset; it is started again in "
-                                     f"{self._retry_at - time.monotonic():.1f} s")
+            self._restarts.check_due("the mooncake engine is down since a reset")
             try:
                 fresh = self._start_engine()
                 if self._spans:
@@ -302,18 +295,13 @@ class MooncakeTransport(Transport):
                     if rc != 0:
                         raise TransportError(f"registering {len(self._spans)} spans again returned {rc}")
             except TransportError as e:
-                self._failures += 1
-                self._retry_at = time.monotonic() + min(RESTART_BACKOFF_MAX_S, 0.1 * 2 ** self._failures)
+                self._restarts.failed()
                 logger.warning("mooncake engine did not start again after a reset (%s); retried with back-off", e)
                 raise
             self._engine = fresh
             self._rpc_port = int(fresh.get_rpc_port())
             self._self_name = f"{self.config.host}:{self._rpc_port}"
-            self._failures = 0
+            self._restarts.clear()
             self.generation += 1
         logger.warning("mooncake engine started again after a reset, now %s", self._self_name)
         return fresh
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise TransportError(f"{what}() on a closed {self.name} transport; create a new transport")
