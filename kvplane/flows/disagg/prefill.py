@@ -57,6 +57,7 @@ from kvplane.flows.disagg.pusher import Pusher, check_destination
 from kvplane.flows.disagg.records import Held, Target
 from kvplane.flows.disagg.results import Completion
 from kvplane.flows.disagg.routes import layers_by_source
+from kvplane.flows.disagg.side import SideLifecycle
 from kvplane.flows.disagg.tokens import request_token, same_token
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
@@ -66,7 +67,7 @@ from kvplane.metrics.watch import watch_side
 logger = logging.getLogger("kvplane.disagg")
 
 
-class PrefillSide:
+class PrefillSide(SideLifecycle):
     def __init__(
         self,
         backend: Backend,
@@ -165,22 +166,6 @@ class PrefillSide:
         """Whether a decode rank's push registration for ``request_id`` reached this rank (and the request is
         not released yet): the signal that a push can start as soon as the request is finished."""
         return request_id in self._out.registered
-
-    def transfers_in_flight(self, timeout_s: float = 10.0) -> int:
-        """Plans of this side queued for or moving through the transport, as the loop last published."""
-        return self._out.in_flight
-
-    def close(self) -> None:
-        self._guard.stop()
-        self._loop.stop()
-        self._mover.stop()
-        self.local.close()
-
-    def __enter__(self) -> PrefillSide:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- loop: engine events ------------------------------------------------------------------------------
     def _publish(self) -> None:
