@@ -277,13 +277,7 @@ class DecodeSide(SideLifecycle):
 
     # -- loop: messages -----------------------------------------------------------------------------------
     def _on_readable(self, conn: Conn, sock: zmq.Socket[bytes]) -> None:
-        for _, message in channel.receive(sock, self.config.max_message_bytes, self.counters, routed=False):
-            try:  # one message that trips a bug never drops the ones behind it
-                self._dispatch(conn, message)
-            except Exception:
-                self.counters.rejected += 1
-                logger.exception("decode rank %d: handling %s failed; dropped", self.config.rank,
-                                 type(message).__name__)
+        self._receive(sock, False, lambda _, message: self._dispatch(conn, message))
 
     def _dispatch(self, conn: Conn, message: Message) -> None:
         if isinstance(message, Handshake):

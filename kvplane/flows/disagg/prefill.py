@@ -214,13 +214,7 @@ class PrefillSide(SideLifecycle):
 
     # -- loop: messages -----------------------------------------------------------------------------------
     def _on_readable(self, sock: zmq.Socket[bytes]) -> None:
-        for identity, message in channel.receive(sock, self.config.max_message_bytes, self.counters, routed=True):
-            try:  # one message that trips a bug never drops the ones behind it
-                self._dispatch(identity, message)
-            except Exception:
-                self.counters.rejected += 1
-                logger.exception("prefill rank %d: handling %s failed; dropped", self.config.rank,
-                                 type(message).__name__)
+        self._receive(sock, True, self._dispatch)
 
     def _dispatch(self, identity: bytes, message: Message) -> None:
         if isinstance(message, Handshake):
