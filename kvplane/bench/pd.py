@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -28,8 +27,6 @@ from kvplane.bench.peer import CacheConfig, KVBuffer, PeerConfig, PeerProcess
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenario import Scenario
 from kvplane.bench.timing import interleave
-from kvplane.descriptors import CopyPlan
-from kvplane.errors import TransferFailed, TransferTimeout
 from kvplane.plan.planner import plan_transfer
 from kvplane.transports.base import Op, Transport, TransportConfig
 from kvplane.transports.registry import get_transport_class
@@ -80,41 +77,6 @@ def close_all() -> None:
     _held.release()
 
 
-def raw_move(transport: Transport, peer: str, op: Op, plan: CopyPlan) -> None:
-    """The engine's own batch calls on the plan's descriptors: no kvplane threads, checks or retries."""
-    local, remote = (plan.dst, plan.src) if op == "READ" else (plan.src, plan.dst)
-    engine: Any
-    if transport.name == "mooncake":
-        engine = getattr(transport, "_engine")  # noqa: B009 - the bench measures the engine underneath on purpose
-        call = engine.batch_transfer_sync_read if op == "READ" else engine.batch_transfer_sync_write
-        for i in range(0, len(plan), transport.engine_limit):
-            j = i + transport.engine_limit
-            rc = call(peer, local[i:j].tolist(), remote[i:j].tolist(), plan.length[i:j].tolist())
-            if rc != 0:
-                raise TransferFailed(f"raw mooncake batch returned {rc}")
-        return
-    agent = transport.agent  # type: ignore[attr-defined]
-    zeros = np.zeros(len(plan), dtype=np.uint64)
-    mem = transport.mem_type  # type: ignore[attr-defined]
-    with transport.lock:  # type: ignore[attr-defined]
-        ldesc = agent.get_xfer_descs(
-            np.stack([local.astype(np.uint64), plan.length.astype(np.uint64), zeros], 1), mem
-        )
-        rdesc = agent.get_xfer_descs(
-            np.stack([remote.astype(np.uint64), plan.length.astype(np.uint64), zeros], 1), mem
-        )
-        handle = agent.initialize_xfer(op, ldesc, rdesc, peer)
-        state = agent.transfer(handle)
-    deadline = time.monotonic() + 120
-    while state != "DONE":
-        if state == "ERR" or time.monotonic() > deadline:
-            raise TransferTimeout(f"raw nixl transfer ended in state {state!r}")
-        with transport.lock:  # type: ignore[attr-defined]
-            state = agent.check_xfer_state(handle)
-    with transport.lock:  # type: ignore[attr-defined]
-        agent.release_xfer_handle(handle)
-
-
 def run_pd(
     backend: Backend, engine: str, model: str, op: Op, quick: bool, pattern: Pattern = "scatter",
     layouts: LayoutNames | None = None, name: str | None = None, cross_layer: bool = False,
@@ -140,7 +102,7 @@ def run_pd(
         pair.transport.transfer(pair.handle, op, tp.plan)
 
     def raw() -> None:
-        raw_move(pair.transport, pair.handle, op, raw_plan)
+        pair.transport.raw_move(pair.handle, op, raw_plan)
 
     if op == "WRITE":
         pair.peer.call("zero")

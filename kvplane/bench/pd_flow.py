@@ -34,7 +34,6 @@ from kvplane.backend.base import Backend
 from kvplane.bench.block_ids import Pattern, per_block_plan, request_ids
 from kvplane.bench.held import Held
 from kvplane.bench.models import model_spec
-from kvplane.bench.pd import raw_move
 from kvplane.bench.peer import KVBuffer
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenario import Scenario
@@ -175,7 +174,7 @@ def run_flow(
         samples.ours.append(ready[0])
         samples.cpu.append(cpu)
         start = time.perf_counter()
-        raw_move(mover, handle, op, raw_plan)
+        mover.raw_move(handle, op, raw_plan)
         samples.baseline.append(time.perf_counter() - start)
         if mode == "layerwise":
             pushes.append(_one(sides, "push", p_ids, d_ids, tokens, compute_s))

@@ -19,12 +19,17 @@ from typing import ClassVar, Literal
 import msgspec
 
 from kvplane.backend.base import Backend
-from kvplane.descriptors import CopyPlan
+from kvplane.descriptors import CopyPlan, Int64Array
 from kvplane.errors import TransportError
 from kvplane.transports.options import NIXL_DEFAULT_BACKENDS
 
 Op = Literal["READ", "WRITE"]
 DEFAULT_TIMEOUT_S = 30.0
+
+
+def local_remote(op: Op, plan: CopyPlan) -> tuple[Int64Array, Int64Array]:
+    """``(local, remote)`` address arrays: WRITE sends ``src`` to the peer, READ fetches ``src`` from it."""
+    return (plan.src, plan.dst) if op == "WRITE" else (plan.dst, plan.src)
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
@@ -76,6 +81,7 @@ class Transport(ABC):
     name: ClassVar[str]
     engine_limit: ClassVar[int]  # descriptors per batch the engine accepts by default
     generation: int = 0  # bumped by each ``reset`` and each restart: ``peer_info()`` may differ after each
+    _closed: bool = False  # set by ``close``; ``_check_open`` refuses calls after it
 
     def __init__(self, backend: Backend, config: TransportConfig | None = None, *, agent_name: str = "") -> None:
         self.backend = backend
@@ -122,6 +128,22 @@ class Transport(ABC):
         """Start the engine again if a ``reset`` could not (a device still down); True when it runs. Cheap
         while a back-off runs; the flow's transfer thread calls it until it is True."""
         return True
+
+    def raw_move(self, peer: str, op: Op, plan: CopyPlan) -> None:
+        """Move ``plan`` with the engine's own batch call, without kvplane's chunking, threads, checks or
+        retries; blocking. The bench's baseline, not for flows. Raises ``TransferFailed`` or
+        ``TransferTimeout`` when the engine fails it."""
+        raise TransportError(f"the {self.name} transport has no raw engine call for the bench's baseline")
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise TransportError(f"{what}() on a closed {self.name} transport; create a new transport")
+
+    def _check_engine(self, peer: PeerInfo) -> None:
+        if peer.engine != self.name:
+            raise TransportError(
+                f"PeerInfo.engine={peer.engine!r} but this transport is {self.name!r}; both ranks must use one"
+            )
 
     def transfer(self, peer: str, op: Op, plan: CopyPlan, notify: bytes | None = None) -> None:
         """``submit`` then ``wait`` with the configured deadline."""

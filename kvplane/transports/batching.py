@@ -1,4 +1,4 @@
-"""What both transfer engines share: which side of a plan is local, early span checks, chunking, deadlines.
+"""What both transfer engines share: early span checks, chunking, deadlines, back-off.
 
 ``MooncakeTransport`` and ``NixlTransport`` call these before and while submitting a plan; nothing here
 touches an engine. Plan direction follows ``kvplane.transports.base``: ``src`` is where bytes come from.
@@ -23,11 +23,6 @@ def check_op(op: str) -> Op:
     if op not in OPS:
         raise TransportError(f"op={op!r} is not a transfer direction; use 'READ' (pull) or 'WRITE' (push)")
     return "READ" if op == "READ" else "WRITE"
-
-
-def local_remote(op: Op, plan: CopyPlan) -> tuple[Int64Array, Int64Array]:
-    """``(local, remote)`` address arrays: WRITE sends ``src`` to the peer, READ fetches ``src`` from it."""
-    return (plan.src, plan.dst) if op == "WRITE" else (plan.dst, plan.src)
 
 
 def side_names(op: Op) -> tuple[str, str]:

@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib import metadata
@@ -33,18 +32,19 @@ from typing import Any
 
 from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
-from kvplane.errors import PeerUnreachable, PlanError, TransportError, TransportUnavailable
+from kvplane.errors import PeerUnreachable, PlanError, TransferFailed, TransportError, TransportUnavailable
 from kvplane.logs import quiet_engine_logs
-from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
-from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
+from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig, local_remote
+from kvplane.transports.batching import Deadline, check_op, check_plan, check_spans
+from kvplane.transports.chunked import Job
 from kvplane.transports.mooncake_transfer import NOT_SUBMITTED, MooncakeTransfer
+from kvplane.transports.restarts import RestartBackoff
 
 INSTALL_HINT = (
     "pip install mooncake-transfer-engine-non-cuda (CPU machines) or mooncake-transfer-engine (CUDA); "
     "never both, they install the same module"
 )
 TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"  # Mooncake's own bound on a blocking status call, seconds, at least 5
-RESTART_BACKOFF_MAX_S = 1.0
 logger = logging.getLogger("kvplane.transports")
 
 
@@ -85,8 +85,7 @@ class MooncakeTransport(Transport):
         self._lock = threading.Lock()
         self._closed = False
         self.generation = 0  # resets so far: peer_info() differs after each
-        self._retry_at = 0.0
-        self._failures = 0
+        self._restarts = RestartBackoff()
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -146,10 +145,7 @@ class MooncakeTransport(Transport):
 
     def connect(self, peer: PeerInfo) -> str:
         self._check_open("connect")
-        if peer.engine != self.name:
-            raise TransportError(
-                f"PeerInfo.engine={peer.engine!r} but this transport is {self.name!r}; both ranks must use one"
-            )
+        self._check_engine(peer)
         rc = self._live().send_probe(peer.name)
         if rc != 0:
             raise PeerUnreachable(
@@ -167,11 +163,10 @@ class MooncakeTransport(Transport):
         if notify is not None and not len(plan):
             raise PlanError(f"mooncake carries notify={notify!r} on a transfer, and the plan is empty; "
                             f"send the notify with the last non-empty plan")
-        chunks = chunk_bounds(len(plan), batch_size(self.config, self.engine_limit))
         self._live()
         move = functools.partial(self.move, peer, op)
-        transfer = MooncakeTransfer(move, self.config, peer, op, plan, chunks, notify,
-                                    Deadline.after(self.config.timeout_s))
+        job = Job.split(self.config, self.engine_limit, peer, op, plan, notify)
+        transfer = MooncakeTransfer(move, self.config, job)
         with self._lock:
             self._check_open("submit")  # close() may have run since the check above
             self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
@@ -194,6 +189,18 @@ class MooncakeTransport(Transport):
             if not batch:  # 0: the engine could not open the peer's segment or refused the batch
                 return NOT_SUBMITTED
             return int(engine.get_batch_transfer_status([batch]))
+
+    def raw_move(self, peer: str, op: Op, plan: CopyPlan) -> None:
+        """The engine's own batch call (``batch_transfer_sync_read``/``_write``) on ``engine_limit`` descriptors
+        at a time, without kvplane's chunking, threads, checks or retries; the bench's baseline."""
+        engine = self._live()
+        local, remote = local_remote(op, plan)
+        call = engine.batch_transfer_sync_read if op == "READ" else engine.batch_transfer_sync_write
+        for i in range(0, len(plan), self.engine_limit):
+            j = i + self.engine_limit
+            rc = call(peer, local[i:j].tolist(), remote[i:j].tolist(), plan.length[i:j].tolist())
+            if rc != 0:
+                raise TransferFailed(f"raw mooncake batch returned {rc}")
 
     @contextmanager
     def _peer_lock(self, peer: str) -> Iterator[None]:
@@ -250,7 +257,7 @@ class MooncakeTransport(Transport):
             )
         with self._lock:
             engine, self._engine = self._engine, None
-            self._retry_at, self._failures = 0.0, 0
+            self._restarts.clear()
         if engine is not None:
             if self._spans:
                 engine.batch_unregister_memory([a for a, _ in self._spans])
@@ -278,9 +285,7 @@ class MooncakeTransport(Transport):
         with self._lock:
             if self._engine is not None:
                 return self._engine
-            if time.monotonic() < self._retry_at:
-                raise TransportError(f"the mooncake engine is down since a reset; it is started again in "
-                                     f"{self._retry_at - time.monotonic():.1f} s")
+            self._restarts.check_due("the mooncake engine is down since a reset")
             try:
                 fresh = self._start_engine()
                 if self._spans:
@@ -290,18 +295,13 @@ class MooncakeTransport(Transport):
                     if rc != 0:
                         raise TransportError(f"registering {len(self._spans)} spans again returned {rc}")
             except TransportError as e:
-                self._failures += 1
-                self._retry_at = time.monotonic() + min(RESTART_BACKOFF_MAX_S, 0.1 * 2 ** self._failures)
+                self._restarts.failed()
                 logger.warning("mooncake engine did not start again after a reset (%s); retried with back-off", e)
                 raise
             self._engine = fresh
             self._rpc_port = int(fresh.get_rpc_port())
             self._self_name = f"{self.config.host}:{self._rpc_port}"
-            self._failures = 0
+            self._restarts.clear()
             self.generation += 1
         logger.warning("mooncake engine started again after a reset, now %s", self._self_name)
         return fresh
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise TransportError(f"{what}() on a closed {self.name} transport; create a new transport")

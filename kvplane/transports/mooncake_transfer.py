@@ -15,10 +15,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from kvplane.descriptors import CopyPlan
 from kvplane.errors import TransferFailed, TransferTimeout, TransportError
-from kvplane.transports.base import Op, Transfer, TransportConfig
-from kvplane.transports.batching import Deadline, backoff_s, local_remote
+from kvplane.transports.base import TransportConfig
+from kvplane.transports.batching import backoff_s
+from kvplane.transports.chunked import ChunkedTransfer, Job
 
 # one engine batch to the peer: (local, remote, lengths, notify) -> 0 when every descriptor landed,
 # NOT_SUBMITTED when nothing reached the engine, anything else when the engine failed it (it may still move)
@@ -26,29 +26,17 @@ NOT_SUBMITTED = -2
 MoveBatch = Callable[[list[int], list[int], list[int], "bytes | None"], int]
 
 
-class MooncakeTransfer(Transfer):
-    def __init__(
-        self,
-        move: MoveBatch,
-        config: TransportConfig,
-        peer: str,
-        op: Op,
-        plan: CopyPlan,
-        chunks: list[tuple[int, int]],
-        notify: bytes | None,
-        deadline: Deadline,
-    ) -> None:
-        self._move, self._config, self._peer, self._op = move, config, peer, op
-        self._local, self._remote = local_remote(op, plan)
-        self._length = plan.length
-        self._chunks, self._notify, self._deadline = chunks, notify, deadline
-        self._chunk = 0  # the chunk being moved, for error messages
-        self._error: TransportError | None = None
+class MooncakeTransfer(ChunkedTransfer):
+    engine = "mooncake"
+
+    def __init__(self, move: MoveBatch, config: TransportConfig, job: Job) -> None:
+        super().__init__(config, job)
+        self._move = move
         self._cancelled = threading.Event()
         self._done = threading.Event()
-        self._unsettled = False  # an engine batch failed: its slices may still be queued in the engine
+        # _unsettled: an engine batch failed, its slices may still be queued in the engine
         self._engine_gone = False
-        self._thread = threading.Thread(target=self._run, name=f"kvplane-mooncake-{op.lower()}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"kvplane-mooncake-{job.op.lower()}", daemon=True)
 
     # -- caller side --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -77,13 +65,10 @@ class MooncakeTransfer(Transfer):
         return True
 
     def wait(self, timeout_s: float | None = None) -> None:
-        limit = self._deadline.remaining() if timeout_s is None else min(timeout_s, self._deadline.remaining())
+        limit = self._limit_s(timeout_s)
         if not self._done.wait(limit):
             self.cancel()
-            raise TransferTimeout(
-                f"mooncake {self._op} with {self._peer}: not done after {limit:.1f} s, chunk {self._chunk + 1} of "
-                f"{len(self._chunks)} in flight; raise TransportConfig.timeout_s or check the peer"
-            )
+            raise self._timed_out(limit)
         self.poll()
 
     def cancel(self) -> None:
@@ -98,7 +83,7 @@ class MooncakeTransfer(Transfer):
         try:
             last = len(self._chunks) - 1
             for index, (start, stop) in enumerate(self._chunks):
-                self._chunk = index
+                self._index = index
                 self._move_chunk(start, stop, self._notify if index == last else None)
         except TransportError as e:
             self._error = e
@@ -115,7 +100,7 @@ class MooncakeTransfer(Transfer):
         rc = 0
         for attempt in range(config.retries + 1):
             if self._cancelled.is_set() or self._deadline.expired():
-                raise TransferTimeout(self._where(start, stop, f"deadline passed before attempt {attempt + 1}"))
+                raise TransferTimeout(self._where(f"deadline passed before attempt {attempt + 1}"))
             rc = self._move(local, remote, lengths, notify)
             if rc == 0:
                 return
@@ -124,15 +109,8 @@ class MooncakeTransfer(Transfer):
             if attempt < config.retries:
                 pause = min(backoff_s(config, attempt), self._deadline.remaining())
                 if self._cancelled.wait(pause):
-                    raise TransferTimeout(self._where(start, stop, "cancelled while backing off"))
+                    raise TransferTimeout(self._where("cancelled while backing off"))
         raise TransferFailed(
-            self._where(start, stop, f"failed {config.retries + 1} times (last rc={rc})")
+            self._where(f"failed {config.retries + 1} times (last rc={rc})")
             + "; the peer may be gone, or an address lies outside its registered memory"
-        )
-
-    def _where(self, start: int, stop: int, what: str) -> str:
-        nbytes = int(self._length[start:stop].sum())
-        return (
-            f"mooncake {self._op} with {self._peer}: chunk {self._chunk + 1} of {len(self._chunks)} "
-            f"({stop - start} descriptors, {nbytes} B) {what}"
         )

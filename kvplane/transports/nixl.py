@@ -30,17 +30,24 @@ from typing import Any
 
 from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
-from kvplane.errors import PeerUnreachable, TransportError, TransportUnavailable
+from kvplane.errors import PeerUnreachable, TransferTimeout, TransportError, TransportUnavailable
 from kvplane.hosts import is_loopback
 from kvplane.logs import quiet_engine_logs
-from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig
-from kvplane.transports.batching import Deadline, batch_size, check_op, check_plan, check_spans, chunk_bounds
+from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig, local_remote
+from kvplane.transports.batching import (
+    check_op,
+    check_plan,
+    check_spans,
+    descriptor_table,
+)
+from kvplane.transports.chunked import Job
 from kvplane.transports.nixl_transfer import NixlTransfer
+from kvplane.transports.restarts import RestartBackoff
 
 MODULES = ("nixl_cu12", "nixl_cu13")
 INSTALL_HINT = "pip install nixl-cu12 (or nixl-cu13 on CUDA 13 machines)"
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}  # same-host peers: UCX on lo moves data by cma (single copy)
-RESTART_BACKOFF_MAX_S = 1.0
+RAW_WAIT_S = 120.0  # raw_move's bound on one request (the bench's baseline)
 RESTART_WAIT_S = 2.0  # how long connect() waits for an agent that is starting again after a reset
 logger = logging.getLogger("kvplane.transports")
 
@@ -75,8 +82,7 @@ class NixlTransport(Transport):
         self.generation = 0  # resets so far: peer_info() differs after each
         self._old: weakref.ref[Any] | None = None  # the agent a reset dropped, until confirmed gone
         self._down = ""  # why no agent runs (a reset whose restart failed); retried from _live()
-        self._retry_at = 0.0
-        self._failures = 0
+        self._restarts = RestartBackoff()
         self._regs: list[Any] = []
         self._registered: list[list[tuple[int, int]]] = []  # each register() call's spans, for a reset
         self._spans: list[tuple[int, int]] = []
@@ -150,10 +156,7 @@ class NixlTransport(Transport):
 
     def connect(self, peer: PeerInfo) -> str:
         self._check_open("connect")
-        if peer.engine != self.name:
-            raise TransportError(
-                f"PeerInfo.engine={peer.engine!r} but this transport is {self.name!r}; both ranks must use one"
-            )
+        self._check_engine(peer)
         if not peer.metadata:
             raise PeerUnreachable(f"PeerInfo for {peer.name!r} has no NIXL metadata; send the peer's peer_info()")
         with self.lock:
@@ -181,14 +184,32 @@ class NixlTransport(Transport):
         if peer in self._unloaded:
             self._reload(peer)
         check_plan(op, plan, self._spans, self._peer_spans[peer], peer)
-        chunks = chunk_bounds(len(plan), batch_size(self.config, self.engine_limit))
         with self.lock:
             self._check_open("submit")  # close() may have run since the check above
-            transfer = NixlTransfer(self._live(), self.lock, (self.mem_type, self.dev_id), self.config, peer, op,
-                                    plan, chunks, notify, Deadline.after(self.config.timeout_s))
+            job = Job.split(self.config, self.engine_limit, peer, op, plan, notify)
+            transfer = NixlTransfer(self._live(), self.lock, (self.mem_type, self.dev_id), self.config, job)
             self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
             transfer.start()
         return transfer
+
+    def raw_move(self, peer: str, op: Op, plan: CopyPlan) -> None:
+        """The engine's own batch call: one NIXL request for the whole plan (descriptors on device 0), polled
+        until DONE, without kvplane's chunking, checks or retries; the bench's baseline."""
+        local, remote = local_remote(op, plan)
+        with self.lock:
+            agent = self._live()
+            ldesc = agent.get_xfer_descs(descriptor_table(local, plan.length, 0), self.mem_type)
+            rdesc = agent.get_xfer_descs(descriptor_table(remote, plan.length, 0), self.mem_type)
+            handle = agent.initialize_xfer(op, ldesc, rdesc, peer)
+            state = agent.transfer(handle)
+        deadline = time.monotonic() + RAW_WAIT_S
+        while state != "DONE":
+            if state == "ERR" or time.monotonic() > deadline:
+                raise TransferTimeout(f"raw nixl transfer ended in state {state!r}")
+            with self.lock:
+                state = agent.check_xfer_state(handle)
+        with self.lock:
+            agent.release_xfer_handle(handle)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         self._check_open("notifications")
@@ -225,7 +246,8 @@ class NixlTransport(Transport):
             self._drop_agent()
             self._old = None
             self.generation += 1
-            self._regs, self._down, self._retry_at, self._failures = [], "reset", 0.0, 0
+            self._regs, self._down = [], "reset"
+            self._restarts.clear()
             try:
                 self._live()
             except TransportError:  # the fence holds; the agent starts again on a later call
@@ -262,24 +284,21 @@ class NixlTransport(Transport):
             try:
                 return self._start_again()
             except TransportError:
-                if self._retry_at > until:
+                if self._restarts.retry_at > until:
                     raise
-                time.sleep(max(0.0, self._retry_at - time.monotonic()))
+                time.sleep(max(0.0, self._restarts.retry_at - time.monotonic()))
 
     def _start_again(self) -> Any:
         if self.agent is not None:
             return self.agent
-        if time.monotonic() < self._retry_at:
-            raise TransportError(f"the NIXL agent is down since a reset ({self._down}); it is started again "
-                                 f"in {self._retry_at - time.monotonic():.1f} s")
+        self._restarts.check_due(f"the NIXL agent is down since a reset ({self._down})")
         try:
             agent = self._start_agent()
             self.agent = agent
             self._regs = [self._register(spans) for spans in self._registered]
         except TransportError as e:
             self.agent, self._down = None, str(e)
-            self._failures += 1
-            self._retry_at = time.monotonic() + min(RESTART_BACKOFF_MAX_S, 0.1 * 2 ** self._failures)
+            self._restarts.failed()
             logger.warning("NIXL agent %s did not start again after a reset (%s); retried with back-off",
                            self.agent_name, e)
             raise
@@ -289,7 +308,8 @@ class NixlTransport(Transport):
                 self._reload(name)
             except PeerUnreachable:  # loaded again on its next transfer, or replaced by its next handshake
                 pass
-        self._down, self._failures = "", 0
+        self._down = ""
+        self._restarts.clear()
         self.generation += 1
         logger.warning("NIXL agent %s started again after a reset; %d of %d peers loaded again (the others on "
                        "their next transfer or handshake)", self.agent_name,
@@ -319,7 +339,3 @@ class NixlTransport(Transport):
             self.agent.remove_remote_agent(peer)
         except Exception:  # already invalidated (the peer disconnected)
             pass
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise TransportError(f"{what}() on a closed {self.name} transport; create a new transport")

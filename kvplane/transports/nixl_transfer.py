@@ -15,10 +15,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvplane.descriptors import CopyPlan
-from kvplane.errors import TransferFailed, TransferTimeout, TransportError
-from kvplane.transports.base import Op, Transfer
-from kvplane.transports.batching import Deadline, backoff_s, descriptor_table, local_remote
+from kvplane.errors import TransferFailed, TransferTimeout
+from kvplane.transports.batching import Deadline, backoff_s, descriptor_table
+from kvplane.transports.chunked import ChunkedTransfer, Job
 
 if TYPE_CHECKING:
     from threading import RLock
@@ -33,32 +32,25 @@ class _Permanent(Exception):
     """A refusal that resubmitting cannot fix."""
 
 
-class NixlTransfer(Transfer):
+class NixlTransfer(ChunkedTransfer):
+    engine = "NIXL"
+
     def __init__(
         self,
         agent: Any,
         lock: RLock,
         memory: tuple[str, int],
         config: TransportConfig,
-        peer: str,
-        op: Op,
-        plan: CopyPlan,
-        chunks: list[tuple[int, int]],
-        notify: bytes | None,
-        deadline: Deadline,
+        job: Job,
     ) -> None:
-        self._agent, self._lock, self._config, self._peer, self._op = agent, lock, config, peer, op
+        super().__init__(config, job)
+        self._agent, self._lock = agent, lock
         self._mem_type, self._dev_id = memory
-        self._local, self._remote = local_remote(op, plan)
-        self._length = plan.length
-        self._chunks, self._notify, self._deadline = chunks, notify, deadline
-        self._index = 0  # the chunk in flight
-        self._attempt = 0  # failed attempts of that chunk
+        self._attempt = 0  # failed attempts of the chunk in flight
         self._retry_at = 0.0
         self._handle: Any = None
-        self._error: TransportError | None = None
         self._done = False
-        self._unsettled = False  # failed while NIXL still had a request in flight
+        # _unsettled: failed while NIXL still had a request in flight
 
     @property
     def finished(self) -> bool:
@@ -86,7 +78,7 @@ class NixlTransfer(Transfer):
         return self._done
 
     def wait(self, timeout_s: float | None = None) -> None:
-        limit = self._deadline.remaining() if timeout_s is None else min(timeout_s, self._deadline.remaining())
+        limit = self._limit_s(timeout_s)
         until = Deadline(time.monotonic() + limit)
         while True:
             moved = self._advance()
@@ -94,10 +86,7 @@ class NixlTransfer(Transfer):
                 return
             if until.expired():
                 self.cancel()
-                raise TransferTimeout(
-                    f"NIXL {self._op} with {self._peer}: not done after {limit:.1f} s, chunk {self._index + 1} of "
-                    f"{len(self._chunks)} in flight; raise TransportConfig.timeout_s or check the peer"
-                )
+                raise self._timed_out(limit)
             if not moved:
                 time.sleep(POLL_INTERVAL_S)
 
@@ -203,11 +192,3 @@ class NixlTransfer(Transfer):
                 self._agent.release_xfer_handle(handle)
             except Exception:  # a request NIXL could not abort: its handle is freed with the agent
                 pass
-
-    def _where(self, what: str) -> str:
-        start, stop = self._chunks[min(self._index, len(self._chunks) - 1)]
-        nbytes = int(self._length[start:stop].sum())
-        return (
-            f"NIXL {self._op} with {self._peer}: chunk {self._index + 1} of {len(self._chunks)} "
-            f"({stop - start} descriptors, {nbytes} B) {what}"
-        )

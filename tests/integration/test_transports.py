@@ -218,6 +218,16 @@ def test_write_of_scattered_blocks_lands_in_the_peers_memory(rank: Rank, shared_
     assert shared_peer.ask(cmd="digest")["sha256"] == expected_after_write(peer_initial, rank.buf, moves)
 
 
+def test_raw_move_the_benchs_baseline_copies_the_same_bytes(rank: Rank, shared_peer: Peer,
+                                                            peer_initial: np.ndarray) -> None:
+    moves = scatter(seed=3, count=1100, nbytes=SHARED_BYTES)  # over 1024: Mooncake's raw calls split it too
+    rank.buf[:] = 0
+    rank.transport.raw_move(rank.peer, "READ", moves.plan("READ", rank.base, shared_peer.base))
+    bad = [i for i, (loff, roff, n) in enumerate(moves.ranges())
+           if not np.array_equal(rank.buf[loff:loff + n], peer_initial[roff:roff + n])]
+    assert not bad, f"{len(bad)} of {len(moves.length)} blocks differ, first {bad[:5]}"
+
+
 def test_notify_reaches_the_peer_only_after_every_written_byte(chunked_rank: Rank, shared_peer: Peer,
                                                                peer_initial: np.ndarray,
                                                                local_initial: np.ndarray) -> None:

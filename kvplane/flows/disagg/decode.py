@@ -65,6 +65,7 @@ from kvplane.flows.disagg.phases import Phase
 from kvplane.flows.disagg.published import Published
 from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.results import Completion, State
+from kvplane.flows.disagg.side import SideLifecycle
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
@@ -74,7 +75,7 @@ from kvplane.metrics.watch import watch_side
 logger = logging.getLogger("kvplane.disagg")
 
 
-class DecodeSide:
+class DecodeSide(SideLifecycle):
     def __init__(
         self,
         backend: Backend,
@@ -156,22 +157,6 @@ class DecodeSide:
         """Requests with a verdict (failed, timed out, aborted) that are not reported yet because a transfer
         may still write their blocks; each ends within the bound docs/disagg.md gives."""
         return self._out.draining
-
-    def transfers_in_flight(self, timeout_s: float = 10.0) -> int:
-        """Plans of this side queued for or moving through the transport, as the loop last published."""
-        return self._out.in_flight
-
-    def close(self) -> None:
-        self._guard.stop()
-        self._loop.stop()
-        self._mover.stop()
-        self.local.close()
-
-    def __enter__(self) -> DecodeSide:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _want(self, request_id: str, p: TransferParams, block_ids: PerGroup, num_tokens: int, mode: str,
               budget_s: float) -> Want:
@@ -292,13 +277,7 @@ class DecodeSide:
 
     # -- loop: messages -----------------------------------------------------------------------------------
     def _on_readable(self, conn: Conn, sock: zmq.Socket[bytes]) -> None:
-        for _, message in channel.receive(sock, self.config.max_message_bytes, self.counters, routed=False):
-            try:  # one message that trips a bug never drops the ones behind it
-                self._dispatch(conn, message)
-            except Exception:
-                self.counters.rejected += 1
-                logger.exception("decode rank %d: handling %s failed; dropped", self.config.rank,
-                                 type(message).__name__)
+        self._receive(sock, False, lambda _, message: self._dispatch(conn, message))
 
     def _dispatch(self, conn: Conn, message: Message) -> None:
         if isinstance(message, Handshake):

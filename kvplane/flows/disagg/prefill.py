@@ -57,6 +57,7 @@ from kvplane.flows.disagg.pusher import Pusher, check_destination
 from kvplane.flows.disagg.records import Held, Target
 from kvplane.flows.disagg.results import Completion
 from kvplane.flows.disagg.routes import layers_by_source
+from kvplane.flows.disagg.side import SideLifecycle
 from kvplane.flows.disagg.tokens import request_token, same_token
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
@@ -66,7 +67,7 @@ from kvplane.metrics.watch import watch_side
 logger = logging.getLogger("kvplane.disagg")
 
 
-class PrefillSide:
+class PrefillSide(SideLifecycle):
     def __init__(
         self,
         backend: Backend,
@@ -166,22 +167,6 @@ class PrefillSide:
         not released yet): the signal that a push can start as soon as the request is finished."""
         return request_id in self._out.registered
 
-    def transfers_in_flight(self, timeout_s: float = 10.0) -> int:
-        """Plans of this side queued for or moving through the transport, as the loop last published."""
-        return self._out.in_flight
-
-    def close(self) -> None:
-        self._guard.stop()
-        self._loop.stop()
-        self._mover.stop()
-        self.local.close()
-
-    def __enter__(self) -> PrefillSide:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- loop: engine events ------------------------------------------------------------------------------
     def _publish(self) -> None:
         self._out.publish(self._mover.moving)
@@ -229,13 +214,7 @@ class PrefillSide:
 
     # -- loop: messages -----------------------------------------------------------------------------------
     def _on_readable(self, sock: zmq.Socket[bytes]) -> None:
-        for identity, message in channel.receive(sock, self.config.max_message_bytes, self.counters, routed=True):
-            try:  # one message that trips a bug never drops the ones behind it
-                self._dispatch(identity, message)
-            except Exception:
-                self.counters.rejected += 1
-                logger.exception("prefill rank %d: handling %s failed; dropped", self.config.rank,
-                                 type(message).__name__)
+        self._receive(sock, True, self._dispatch)
 
     def _dispatch(self, identity: bytes, message: Message) -> None:
         if isinstance(message, Handshake):
