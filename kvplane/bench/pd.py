@@ -7,7 +7,7 @@ sides: then a block of every layer is one range and kvplane moves one descriptor
 baseline still moves one descriptor per block and layer (what the engine moves for vLLM's per-layer blocks).
 
 Block ids are ``scatter`` (random) or ``runs`` (mostly consecutive, as a fresh request's are; the planner
-coalesces them, the raw baseline does not). ``ratio`` is kvplane over raw. Bytes are verified once, right after
+coalesces them, the raw baseline does not). ``ratio`` is kvplane's speed over raw's (raw seconds over kvplane seconds). Bytes are verified once, right after
 kvplane's first transfer (before the raw engine touches the same blocks), by comparing block digests.
 """
 
