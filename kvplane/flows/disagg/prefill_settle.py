@@ -34,8 +34,8 @@ class Settler:
             if target.reported or target.inflight or not target.checked:
                 continue
             complete = held.finished and set(target.layers) <= target.sent
-            if target.error or held.aborted or complete or not target.layers:
-                reason = target.error or ("aborted on the prefill instance" if held.aborted else "")
+            if target.error or held.aborted or held.declined or complete or not target.layers:
+                reason = target.error or ("aborted on the prefill instance" if held.aborted else held.declined)
                 ok = not reason and (complete or not target.layers)
                 side._reply(target.peer.identity, PushResult(held.request_id, side.config.rank, ok, reason))
                 target.reported = True
@@ -45,6 +45,9 @@ class Settler:
             self.release(held, "failed", "aborted before its prefill finished")
             return
         if not held.finished:
+            return
+        if held.declined:
+            self.release(held, "failed", held.declined)
             return
         if held.reader_tp and len(held.readers) >= held.reader_tp:
             failed = [k for k, ok in held.readers.items() if not ok]
