@@ -34,8 +34,10 @@ class Settler:
             if target.reported or target.inflight or not target.checked:
                 continue
             complete = held.finished and set(target.layers) <= target.sent
-            if target.error or held.aborted or held.declined or complete or not target.layers:
-                reason = target.error or ("aborted on the prefill instance" if held.aborted else held.declined)
+            if held.declined:  # one decode rank gave the request up: nothing more is written to any of them
+                target.error = target.error or held.declined
+            if target.error or held.aborted or complete or not target.layers:
+                reason = target.error or ("aborted on the prefill instance" if held.aborted else "")
                 ok = not reason and (complete or not target.layers)
                 side._reply(target.peer.identity, PushResult(held.request_id, side.config.rank, ok, reason))
                 target.reported = True
