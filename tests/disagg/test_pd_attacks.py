@@ -155,6 +155,34 @@ def test_a_push_registration_for_another_request_neither_receives_its_kv_nor_can
         prefill.close()
 
 
+def test_a_forged_cancel_before_any_registration_does_not_free_a_held_push(attacker: FramedProcess) -> None:
+    """A decode rank that cannot plan a push sends ``Cancel`` without registering, and the prefill frees the
+    request at once; that word counts only with the token and only from the decode that handshook."""
+    prefill, decode = make("prefill", SPEC, seed=5, mode="push", lease_s=60.0), make("decode", SPEC, mode="push")
+    try:
+        src, dst = prefill.allocate(40), decode.allocate(40)
+        prefill.side.request_finished("victim", src, 40, token=token_for("victim"))
+        ask(attacker, cmd="connect", port=prefill.side.port, name="anon")  # no handshake at all
+        ask(attacker, cmd="send", name="anon", message={"type": "cancel", "request_id": "victim",
+                                                        "engine_id": decode.side.config.engine_id, "rank": 0,
+                                                        "token": token_for("victim")})
+        arm(attacker, prefill)
+        for engine_id, token in (("evil", WRONG), ("evil", ""), (decode.side.config.engine_id, token_for("victim"))):
+            ask(attacker, cmd="send", name="evil", message={"type": "cancel", "request_id": "victim",
+                                                           "engine_id": engine_id, "rank": 0, "token": token})
+        sync(attacker)
+        assert prefill.collect() == {} and prefill.side.held_requests() == 1
+        decode.side.register_push("victim", push_params(prefill.side.base_port, "victim",
+                                                        prefill.side.config.engine_id), dst, 40)
+        assert decode.wait("victim").state == "done"
+        assert digest(SPEC, decode.cache, "packed_kv", {0: dst}, 40) == \
+            digest(SPEC, prefill.cache, "packed_kv", {0: src}, 40)
+        assert prefill.wait("victim").state == "done"
+    finally:
+        decode.close()
+        prefill.close()
+
+
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
 def test_a_replayed_handshake_under_the_decodes_engine_id_does_not_replace_it(
     attacker: FramedProcess, engine: str,

@@ -410,3 +410,37 @@ def test_starting_a_request_that_is_still_receiving_is_refused() -> None:
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.mark.parametrize("order", ["handed_first", "registered_first", "layerwise_started_first"])
+def test_a_push_the_decode_cannot_plan_frees_the_prefill_blocks_before_the_lease(order: str) -> None:
+    """Fused against split MLA stages every layer, and 64 B of staging cannot hold it: the decode fails the
+    request naming staging_bytes and tells the prefill, which frees the blocks at once (a layer-wise request
+    once it is finished), not after its 60 s lease (the poll below gives up at 15 s)."""
+    spec = KVSpec.mla(2, kv_lora_rank=64, rope_dim=16, dtype="float32", tokens_per_block=16)
+    mode = "layerwise" if order.startswith("layerwise") else "push"
+    prefill = make("prefill", spec, "mla_fused", seed=3, lease_s=60.0, push_timeout_s=60.0, mode=mode)
+    decode = make("decode", spec, "mla_split", staging_bytes=64, push_timeout_s=60.0, mode=mode)
+    try:
+        params = push_params(prefill.side.base_port, "r", prefill.side.config.engine_id)
+        ids = prefill.allocate(40)
+        if order == "handed_first":
+            prefill.side.request_finished("r", ids, 40, token=token_for("r"))
+        elif order == "layerwise_started_first":
+            prefill.side.start_request("r", ids, 40, token=token_for("r"))
+        decode.side.register_push("r", params, decode.allocate(40), 40)
+        done = decode.wait("r")
+        assert done.state == "failed" and "staging_bytes" in done.reason
+        if order == "registered_first":
+            time.sleep(0.2)  # the decode's word may come before the engine hands the request over
+            prefill.side.request_finished("r", ids, 40, token=token_for("r"))
+        elif order == "layerwise_started_first":
+            for name in spec.layer_names:
+                prefill.side.save_layer(name)  # nothing is written: the decode rank gave the request up
+            prefill.side.request_finished("r", ids, 40)
+        ended = prefill.wait("r", 15.0)
+        assert ended.state == "failed" and "could not plan" in ended.reason
+        assert prefill.side.held_requests() == 0
+    finally:
+        decode.close()
+        prefill.close()

@@ -1,11 +1,12 @@
 """The prefill's rules for whose word counts (``ownership.py``), driven by hypothesis with honest and forged
-messages in any order: ``ReadDone``s and push registrations from the real decode instance (the request's token)
+messages in any order: ``ReadDone``s, push registrations and ``Cancel``s before any registration (a push the
+decode could not plan) from the real decode instance (the request's token)
 and from an attacker (a guessed token, or the right token too late: another instance owns the request), before
 and after the engine hands the request over, repeated at will.
 
 Invariants: the owner is never the attacker; no attacker's read or registration ever counts; every honest
-``ReadDone`` counts once the request is handed over, whether it came before or after (none is dropped); nothing
-unchecked is left once the request is handed over.
+``ReadDone`` and ``Cancel`` counts once the request is handed over, whether it came before or after (none is
+dropped), and no attacker's ``Cancel`` declines the request; nothing unchecked is left once the request is handed over.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Ownership(RuleBasedStateMachine):
         self.held = Held("r")
         self.honest_reads: dict[int, bool] = {}
         self.honest_registered: set[int] = set()
+        self.honest_declined = False
 
     @rule(rank=RANKS, ok=st.booleans())
     def honest_read_done(self, rank: int, ok: bool) -> None:
@@ -63,6 +65,17 @@ class Ownership(RuleBasedStateMachine):
         if ownership.may_register(self.held, ATTACKER, token):
             self.held.targets[(ATTACKER, rank)] = registration(ATTACKER, rank, token)
 
+    @rule(rank=RANKS)
+    def honest_decline(self, rank: int) -> None:
+        assert ownership.decline(self.held, (HONEST, rank), self.token)
+        self.honest_declined = True
+
+    @rule(rank=RANKS, knows_token=st.booleans())
+    def attacker_decline(self, rank: int, knows_token: bool) -> None:
+        if knows_token and not self.held.owner:
+            return  # as for ReadDone: knowing the secret token before the owner showed it is out of scope
+        ownership.decline(self.held, (ATTACKER, rank), self.token if knows_token else new_token())
+
     @rule()
     def hand_over(self) -> None:
         if self.held.known:
@@ -75,6 +88,7 @@ class Ownership(RuleBasedStateMachine):
         assert self.held.owner in ("", HONEST)
         assert all(engine == HONEST for engine, _ in self.held.readers)
         assert all(t.register.engine_id == HONEST for t in self.held.targets.values() if t.checked)
+        assert ATTACKER not in self.held.declined
 
     @invariant()
     def no_honest_word_is_dropped(self) -> None:
@@ -83,6 +97,7 @@ class Ownership(RuleBasedStateMachine):
         assert {r: ok for (_, r), ok in self.held.readers.items()} == self.honest_reads
         assert {r for (_, r), t in self.held.targets.items() if t.checked} == self.honest_registered
         assert not self.held.early_reads and all(t.checked for t in self.held.targets.values())
+        assert bool(self.held.declined) == self.honest_declined and not self.held.early_declines
 
 
 TestOwnership = Ownership.TestCase

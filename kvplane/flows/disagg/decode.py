@@ -381,6 +381,14 @@ class DecodeSide(SideLifecycle):
                 channel.send(conn.socket, Cancel(want.params.remote_request_id, self.config.engine_id,
                                                  self.config.rank, want.params.kvplane_token), self.counters)
 
+    def _give_up_push(self, want: Want) -> None:
+        """A push this rank gives up on before registering it: a ``Cancel`` to every prefill rank it handshook,
+        which then frees the request's blocks at once (they are not written, so there is nothing to drain)."""
+        for conn in want.conns:
+            if conn.state == "ready" and conn.record is not None:
+                channel.send(conn.socket, Cancel(want.params.remote_request_id, self.config.engine_id,
+                                                 self.config.rank, want.params.kvplane_token), self.counters)
+
     def _finish(self, want: Want) -> None:
         """Nothing moves into the request's blocks any more: re-lay out, tell the prefill, report."""
         if not phases.may_report(want.phase, len(want.pending)):
@@ -448,6 +456,8 @@ class DecodeSide(SideLifecycle):
             if want.phase is Phase.CONNECT and (now > want.deadline or want.state is not None):
                 self._decide(want, "timed_out", "the transfer did not start before the deadline (waiting for the "
                                                 "handshake or for staging room)")
+                if want.mode == "push":
+                    self._give_up_push(want)
                 self._finish(want)
             elif want.phase is Phase.MOVE and now > want.deadline:
                 self._decide(want, "timed_out", "the KV did not arrive before the deadline")

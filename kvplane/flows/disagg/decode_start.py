@@ -33,8 +33,7 @@ class Starter:
             sources = layers_by_source(self.side.local.manifest, want.params.tp_size, want.params.remote_request_id)
             staging = self._take_staging(want, sources)
         except KvplaneError as e:
-            self.side._decide(want, "failed", f"cannot plan the transfer: {e}")
-            self.side._finish(want)  # tells the prefill ranks, so they free their blocks without waiting for the lease
+            self._cannot_plan(want, e)
             return
         if staging is None:
             want.waiting_staging = True  # retried on each tick until room frees or the deadline passes
@@ -47,8 +46,15 @@ class Starter:
             else:
                 self._start_push(want, sources, staging)
         except KvplaneError as e:
-            self.side._decide(want, "failed", f"cannot plan the transfer: {e}")
-            self.side._finish(want)
+            self._cannot_plan(want, e)
+
+    def _cannot_plan(self, want: Want, error: KvplaneError) -> None:
+        """Fail the request and tell the prefill ranks (a pull's ``ReadDone``, a push's ``Cancel``), so they free
+        its blocks now instead of at the end of their lease. No push registration was sent yet."""
+        self.side._decide(want, "failed", f"cannot plan the transfer: {error}")
+        if want.mode != "pull":
+            self.side._give_up_push(want)
+        self.side._finish(want)
 
     def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
         """Staging ``(offset, bytes)`` per prefill rank that needs it; None when the arena is full for now."""

@@ -40,6 +40,9 @@ def hand_over(held: Held, token: str) -> list[Target]:
         else:
             del held.targets[key]
             refused.append(target)
+    for key, said in held.early_declines.items():  # after the registrations: those claim ownership first
+        decline(held, key, said)
+    held.early_declines.clear()
     return refused
 
 
@@ -58,3 +61,16 @@ def read_done(held: Held, key: Key, ok: bool, tp_size: int, token: str) -> bool:
 def may_register(held: Held, engine_id: str, token: str) -> bool:
     """Whether a push registration may stand (unchecked until the request is handed over)."""
     return not held.known or owned(held, engine_id, token)
+
+
+def decline(held: Held, key: Key, token: str) -> bool:
+    """A decode rank gave the push up before registering it (it could not plan it); False when that does not
+    count (the sender is told)."""
+    if not held.known:
+        held.early_declines[key] = token
+        return True
+    if not owned(held, key[0], token):
+        return False
+    held.declined = held.declined or (f"decode {key[0]!r} rank {key[1]} could not plan the push and gave it up "
+                                      f"(its log says why)")
+    return True

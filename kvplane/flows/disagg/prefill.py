@@ -234,7 +234,7 @@ class PrefillSide(SideLifecycle):
         elif isinstance(message, PushRegister):
             self._on_register(identity, peer, message)
         else:
-            self._on_cancel(message)
+            self._on_cancel(identity, message)
 
     def _on_heartbeat(self, identity: bytes, beat: Heartbeat) -> None:
         now, seen = time.monotonic(), set()
@@ -303,13 +303,28 @@ class PrefillSide(SideLifecycle):
             self._pusher.push(held, target, [x for x in target.layers if x in held.saved])
         self._settle(held)
 
-    def _on_cancel(self, cancel: Cancel) -> None:
+    def _on_cancel(self, identity: bytes, cancel: Cancel) -> None:
         held = self._held.get(cancel.request_id)
         target = held.targets.get((cancel.engine_id, cancel.rank)) if held is not None else None
-        if held is None or target is None or not same_token(target.register.token, cancel.token):
+        if target is None:  # no registration from that rank: it gave the push up before registering
+            self._on_decline(identity, held, cancel)
+            return
+        if held is None or not same_token(target.register.token, cancel.token):
             return
         target.cancelled = True
         target.error = target.error or "cancelled by the decode rank"
+        self._settle(held)
+
+    def _on_decline(self, identity: bytes, held: Held | None, cancel: Cancel) -> None:
+        if held is None:
+            if cancel.request_id in self._released or not self._room_for_early():
+                return
+            held = self._entry(cancel.request_id)  # judged once the engine hands the request over
+            held.deadline = time.monotonic() + self.config.push_timeout_s
+        if not ownership.decline(held, (cancel.engine_id, cancel.rank), cancel.token):
+            self._problem(identity, cancel.request_id, "Cancel does not carry this request's token (or comes from "
+                          "another decode instance); ignored")
+            return
         self._settle(held)
 
     def _room_for_early(self) -> bool:

@@ -34,6 +34,8 @@ class Settler:
             if target.reported or target.inflight or not target.checked:
                 continue
             complete = held.finished and set(target.layers) <= target.sent
+            if held.declined:  # one decode rank gave the request up: nothing more is written to any of them
+                target.error = target.error or held.declined
             if target.error or held.aborted or complete or not target.layers:
                 reason = target.error or ("aborted on the prefill instance" if held.aborted else "")
                 ok = not reason and (complete or not target.layers)
@@ -45,6 +47,9 @@ class Settler:
             self.release(held, "failed", "aborted before its prefill finished")
             return
         if not held.finished:
+            return
+        if held.declined:
+            self.release(held, "failed", held.declined)
             return
         if held.reader_tp and len(held.readers) >= held.reader_tp:
             failed = [k for k, ok in held.readers.items() if not ok]

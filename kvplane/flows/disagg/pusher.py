@@ -69,7 +69,7 @@ class Pusher:
         nothing is staged, one plan over all layers is built in one planner call instead of one per layer."""
         if not target.sent and target.plans is None and not target.register.staging_addr:
             src_ids = self.source_ids(held, target)
-            if src_ids is None or target.cancelled or held.aborted:
+            if src_ids is None or target.cancelled or held.aborted or held.declined:
                 return
             try:
                 plan = self._route(src_ids, target, target.layers, 0).plan
@@ -82,7 +82,7 @@ class Pusher:
         self.push(held, target, target.layers)
 
     def push(self, held: Held, target: Target, layers: list[str]) -> None:
-        if target.plans is None or target.error or target.cancelled or held.aborted:
+        if target.plans is None or target.error or target.cancelled or held.aborted or held.declined:
             return
         todo = [x for x in layers if x not in target.sent]
         if todo:

@@ -102,3 +102,5 @@ class Held:
     targets: dict[tuple[str, int], Target] = field(default_factory=dict)
     target_tp: int = 0
     saved: set[str] = field(default_factory=set)
+    declined: str = ""  # why a decode rank gave the push up before registering it (its Cancel): release now
+    early_declines: dict[tuple[str, int], str] = field(default_factory=dict)  # such Cancels before hand-over: token
