@@ -125,9 +125,20 @@ class Transport(ABC):
         raise TransportError(f"the {self.name} transport cannot reset its engine")
 
     def restart(self) -> bool:
-        """Start the engine again if a ``reset`` could not (a device still down); True when it runs. Cheap
-        while a back-off runs; the flow's transfer thread calls it until it is True."""
+        """Start the engine again if a ``reset`` could not (a device still down); True when it runs (or the
+        transport is closed). Cheap while a back-off runs; the flow's transfer thread calls it until it is True."""
+        if self._closed:
+            return True
+        try:
+            self._running()
+        except TransportError:
+            return False
         return True
+
+    def _running(self) -> object:
+        """The running engine, started again (at most once per back-off) where a reset left none; raises
+        ``TransportError`` while it cannot start. Engines that never go down need not override it."""
+        return None
 
     def raw_move(self, peer: str, op: Op, plan: CopyPlan) -> None:
         """Move ``plan`` with the engine's own batch call, without kvplane's chunking, threads, checks or

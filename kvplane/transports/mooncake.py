@@ -265,19 +265,10 @@ class MooncakeTransport(Transport):
         self.generation += 1
         for transfer in transfers:
             transfer.engine_reset()
-        try:
-            self._live()
-        except TransportError:  # the fence holds; the engine starts again on a later call
-            pass
+        self.restart()  # the fence holds whether or not it starts now; else it starts again on a later call
 
-    def restart(self) -> bool:
-        if self._closed:
-            return True
-        try:
-            self._live()
-        except TransportError:
-            return False
-        return True
+    def _running(self) -> Any:
+        return self._live()
 
     def _live(self) -> Any:
         """The engine; after a reset whose restart failed, start it again (at most once per back-off) on the

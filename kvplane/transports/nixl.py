@@ -248,10 +248,7 @@ class NixlTransport(Transport):
             self.generation += 1
             self._regs, self._down = [], "reset"
             self._restarts.clear()
-            try:
-                self._live()
-            except TransportError:  # the fence holds; the agent starts again on a later call
-                pass
+            self.restart()  # the fence holds whether or not it starts now; else it starts again on a later call
 
     def _drop_agent(self) -> None:
         """Destroy the agent, and confirm it: its destructor closes the UCX workers and their connections, so
@@ -264,15 +261,9 @@ class NixlTransport(Transport):
             raise TransportError(f"NIXL agent {self.agent_name!r} is still referenced after a reset; its queued "
                                  f"transfers could still land (a kvplane bug)")
 
-    def restart(self) -> bool:
+    def _running(self) -> Any:
         with self.lock:
-            if self._closed:
-                return True
-            try:
-                self._live()
-            except TransportError:
-                return False
-        return True
+            return None if self._closed else self._live()  # closed under the lock since restart() looked
 
     def _live(self, wait_s: float = 0.0) -> Any:
         """The agent; after a reset whose restart failed (UCX finds no usable device while a link is down),
