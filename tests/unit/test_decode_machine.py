@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from decode_world import HonestPrefill, Reply
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvplane.flows.disagg.decode_actions import (
     Action,
@@ -37,6 +37,7 @@ from kvplane.flows.disagg.messages import Problem, PushRegister, PushResult
 
 DEADLINE_S, DRAIN_S = 5.0, 2.0
 MAX_REQUESTS = 3
+MODES = st.sampled_from(["pull", "push"])
 MOSTLY = st.sampled_from([True, True, True, False])
 SELDOM = st.sampled_from([False, False, False, True])
 
@@ -122,7 +123,11 @@ class World(RuleBasedStateMachine):
         return sorted(rid for rid, r in self.reqs.items() if not r.reports)
 
     # -- events -----------------------------------------------------------------------------------------
-    @rule(mode=st.sampled_from(["pull", "push"]), tp=st.integers(1, 3), plannable=MOSTLY)
+    @initialize(mode=MODES, tp=st.integers(1, 3), plannable=MOSTLY)
+    def the_first_request_arrives(self, mode: str, tp: int, plannable: bool) -> None:
+        self.a_request_arrives(mode, tp, plannable)
+
+    @rule(mode=MODES, tp=st.integers(1, 3), plannable=MOSTLY)
     def a_request_arrives(self, mode: str, tp: int, plannable: bool) -> None:
         if self.count >= MAX_REQUESTS:
             return
@@ -134,10 +139,13 @@ class World(RuleBasedStateMachine):
         self.reqs[rid] = Req(DecodeRequest(ident, self.now + DEADLINE_S), tp, plannable, conns)
         self.run(rid, self.reqs[rid].machine.connections(conns))
 
-    @rule(data=st.data(), outcome=st.sampled_from(["ready", "ready", "ready", "failed", "wrong boot"]))
-    def a_handshake_ends(self, data: st.DataObject, outcome: str) -> None:
+    @rule(data=st.data())
+    def handshakes_end(self, data: st.DataObject) -> None:
+        """The handshakes a request waits on end, each ready, failed or with a prefill that restarted."""
         if self.waiting():
-            self.handshake_ends(*data.draw(st.sampled_from(self.waiting())), outcome)
+            rid = data.draw(st.sampled_from(sorted({rid for rid, _ in self.waiting()})))
+            for r in [r for q, r in self.waiting() if q == rid]:
+                self.handshake_ends(rid, r, data.draw(st.sampled_from(["ready"] * 6 + ["failed", "wrong boot"])))
 
     def waiting(self) -> list[tuple[str, int]]:
         return [(rid, r) for rid in self.active() for r, v in self.reqs[rid].conns.items() if v.state == "waiting"]
@@ -152,7 +160,7 @@ class World(RuleBasedStateMachine):
     def staging_room_changes(self, full: bool) -> None:
         self.room = not full
 
-    @rule(data=st.data(), ok=MOSTLY, timed_out=st.booleans())
+    @rule(data=st.data(), ok=st.booleans(), timed_out=st.booleans())
     def a_read_ends(self, data: st.DataObject, ok: bool, timed_out: bool) -> None:
         reads = [(rid, r) for rid, req in self.reqs.items() for r in req.reads]
         if not reads:
@@ -163,7 +171,7 @@ class World(RuleBasedStateMachine):
         (req.landed if ok else req.broken).add(rank)
         self.run(rid, req.machine.transfer_ended(rank, "" if ok else "link down", timed_out))
 
-    @rule(data=st.data(), ok=MOSTLY)
+    @rule(data=st.data(), ok=st.booleans())
     def a_write_ends_on_the_prefill(self, data: st.DataObject, ok: bool) -> None:
         writes = sorted(self.prefill.in_flight())
         if not writes:
