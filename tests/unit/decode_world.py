@@ -4,7 +4,9 @@ behind a small interface (``PrefillRanks``), so the real prefill machine can tak
 ``PrefillRanks`` is what the test needs of a prefill instance: it takes the decode's messages for a request
 (``receive``), says which of its ranks may still write into the decode's blocks (``writing``), finishes a WRITE
 in its engine (``write_ends``), loses every WRITE still in flight when the decode's engine is reset
-(``decode_reset``), and restarts a rank (``restart``). Replies (``PushResult``, ``Problem``) go back through the
+(``decode_reset``), and restarts a rank (``restart``). Request ids are the prefill's (``Ident.remote_request_id``,
+``"p-" + the decode's`` in the test). To run the real prefill machine in its place, write an adapter with these
+methods around it and subclass ``test_decode_machine.World`` with ``make_prefill`` returning it. Replies (``PushResult``, ``Problem``) go back through the
 test's channel, which loses, repeats and reorders them.
 """
 
@@ -30,6 +32,10 @@ class PrefillRanks(Protocol):
 
     def write_ends(self, request_id: str, rank: int, ok: bool) -> list[Reply]:
         """Rank ``rank``'s engine finished its WRITE for the request (``ok``: as far as that engine knows)."""
+        ...
+
+    def in_flight(self) -> list[tuple[str, int]]:
+        """(request id, rank) of every WRITE still in a prefill engine, landing or not; ``write_ends`` ends one."""
         ...
 
     def decode_reset(self) -> None:

@@ -8,15 +8,15 @@ Invariants: each request gets exactly one Completion; none is reported while a R
 in its blocks; its staging is given back exactly once, and only once nothing writes it; a request is ``done``
 only if every prefill rank's transfer ended with its bytes landed; after the last request nothing is left.
 
-To run the real prefill machine instead of the model, give ``World.prefill`` an object with the methods of
-``decode_world.PrefillRanks`` (see that module).
+To run the real prefill machine instead of the model: subclass ``World`` with ``make_prefill`` returning an object
+with the methods of ``decode_world.PrefillRanks`` (see that module), and run that subclass's ``TestCase``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from decode_world import HonestPrefill, Reply
+from decode_world import HonestPrefill, PrefillRanks, Reply
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -56,10 +56,14 @@ class Req:
 
 
 class World(RuleBasedStateMachine):
+    @staticmethod
+    def make_prefill() -> PrefillRanks:
+        return HonestPrefill()
+
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
-        self.prefill = HonestPrefill()
+        self.prefill = self.make_prefill()
         self.reqs: dict[str, Req] = {}
         self.wire: list[tuple[str, int, object]] = []  # ("to_prefill" | "to_decode", rank, message)
         self.fences: list[str] = []
