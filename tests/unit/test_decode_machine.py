@@ -31,6 +31,7 @@ from kvplane.flows.disagg.decode_actions import (
     Report,
     Send,
     Start,
+    ToPrefill,
 )
 from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase, RankView
 from kvplane.flows.disagg.messages import Problem, PushRegister, PushResult
@@ -65,7 +66,7 @@ class World(RuleBasedStateMachine):
         self.now = 0.0
         self.prefill = self.make_prefill()
         self.reqs: dict[str, Req] = {}
-        self.wire: list[tuple[str, int, object]] = []  # ("to_prefill" | "to_decode", rank, message)
+        self.wire: list[tuple[str, int, ToPrefill | Reply]] = []  # ("to_prefill" | "to_decode", rank, message)
         self.fences: list[str] = []
         self.room = True
         self.count = 0
@@ -197,11 +198,10 @@ class World(RuleBasedStateMachine):
         i = data.draw(st.integers(0, len(self.wire) - 1))
         self.deliver(*(self.wire[i] if again else self.wire.pop(i)))
 
-    def deliver(self, direction: str, rank: int, message: object) -> None:
-        if direction == "to_prefill":
-            self.replies(self.prefill.receive(rank, message))  # type: ignore[arg-type]
+    def deliver(self, direction: str, rank: int, message: ToPrefill | Reply) -> None:
+        if not isinstance(message, PushResult | Problem):
+            self.replies(self.prefill.receive(rank, message))
             return
-        assert isinstance(message, PushResult | Problem)
         rid = message.request_id.removeprefix("p-")
         if rid not in self.active():
             return  # the shell drops word of a request already reported
