@@ -1,101 +1,104 @@
-"""The fence of a decode request (``phases.py``), driven by hypothesis: transfers into its blocks end at any time,
-their completions arrive late, twice or never, verdicts (deadline, failure, abort) come at any point, and the
-engine may be reset (the fence of last resort). The machine below applies each event exactly as ``DecodeSide``
-does, through the same functions.
-
-Invariants: the request is reported at most once, and its blocks released exactly once by the end; when it is
-reported no transfer can still write its blocks; no transfer completion is applied after the request was
-reported; a request with a verdict is draining, not reported, while a writer may still write.
+"""The fence of a decode request, example by example on its machine (``decode_request.DecodeRequest``): a verdict
+while a writer is out drains instead of reporting, a push's drain bound asks for the engine reset, word that comes
+after the report is dropped; and docs/disagg.md's transition table is the machine's own. The hypothesis machine
+over many requests and a lossy channel is ``test_decode_machine.py``.
 """
 
 from __future__ import annotations
 
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+import re
+from pathlib import Path
 
-from kvplane.flows.disagg import phases
-from kvplane.flows.disagg.phases import Phase
+from kvplane.flows.disagg.decode_actions import (
+    Action,
+    Fence,
+    GiveStaging,
+    Note,
+    Relayout,
+    Report,
+    Send,
+    Start,
+)
+from kvplane.flows.disagg.decode_request import (
+    TRANSITIONS,
+    DecodeRequest,
+    Ident,
+    Phase,
+    RankView,
+    transitions_table,
+)
+from kvplane.flows.disagg.messages import Cancel, ReadDone
 
-RANKS = st.integers(0, 3)
-
-
-class DecodeRequest(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase = Phase.CONNECT
-        self.pending: set[int] = set()  # prefill ranks whose transfer has not been seen to end
-        self.live: set[int] = set()  # ranks whose transfer the engine still has: they can write the blocks
-        self.inbox: list[int] = []  # completions sent and not yet delivered (any order, repeats)
-        self.verdict = ""
-        self.released = 0
-        self.applied_after_report = 0
-
-    def report(self) -> None:
-        assert phases.may_report(self.phase, len(self.pending))
-        assert not self.live, f"reported while ranks {self.live} can still write the blocks"
-        self.phase = Phase.REPORTED
-        self.released += 1
-
-    @precondition(lambda self: self.phase is Phase.CONNECT and not self.verdict)
-    @rule(writers=st.integers(1, 4))
-    def start(self, writers: int) -> None:
-        self.phase = phases.start(self.phase)
-        self.pending = set(range(writers))
-        self.live = set(self.pending)
-
-    @rule(rank=RANKS)
-    def transfer_ends_in_the_engine(self, rank: int) -> None:
-        if rank in self.live:
-            self.live.discard(rank)
-            self.inbox.append(rank)
-
-    @rule(data=st.data(), again=st.booleans())
-    def a_completion_arrives(self, data: st.DataObject, again: bool) -> None:
-        if not self.inbox:
-            return
-        rank = self.inbox[data.draw(st.integers(0, len(self.inbox) - 1))]
-        if not again:
-            self.inbox.remove(rank)
-        reported = self.phase is Phase.REPORTED
-        if phases.writer_ended(self.phase, self.pending, rank):
-            self.applied_after_report += reported
-            if not self.pending:
-                self.report()
-
-    @rule(state=st.sampled_from(["failed", "timed_out"]))
-    def a_verdict(self, state: str) -> None:
-        if self.phase is Phase.REPORTED:
-            return
-        self.verdict = self.verdict or state
-        self.phase = phases.after_verdict(self.phase, len(self.pending))
-        if self.phase is Phase.CONNECT or not self.pending:
-            self.report()
-
-    @precondition(lambda self: self.phase is Phase.DRAINING)
-    @rule()
-    def the_engine_is_reset(self) -> None:
-        self.live.clear()  # the fence: the engine's transfers die with it
-        self.pending.clear()
-        self.report()
-
-    @invariant()
-    def reported_at_most_once_and_never_written_after(self) -> None:
-        assert self.released <= 1
-        assert self.applied_after_report == 0
-        if self.phase is Phase.REPORTED:
-            assert not self.live
-        if self.verdict and self.phase is not Phase.REPORTED and self.live:
-            assert self.phase is Phase.DRAINING
-
-    def teardown(self) -> None:
-        """Drive the request to its end: every block is released exactly once."""
-        if self.phase is not Phase.REPORTED:
-            self.a_verdict("timed_out")
-        if self.phase is Phase.DRAINING:
-            self.the_engine_is_reset()
-        assert self.released == 1
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"
 
 
-DecodeRequest.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
-test_a_decode_request_is_reported_once_and_never_written_after = DecodeRequest.TestCase
+def _machine(mode: str, ranks: int = 2) -> DecodeRequest:
+    m = DecodeRequest(Ident("r", "pull" if mode == "pull" else "push", "p-r", "prefill", "boot", "tok", ranks,
+                            "decode", 0, 1, 2.0), deadline=10.0)
+    views = {r: RankView("ready", f"h:{r}", "", "prefill", "boot") for r in range(ranks)}
+    assert m.connections(views) == [Start()]
+    assert m.started(range(ranks)) == []
+    return m
+
+
+def _kinds(actions: list[Action]) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+def test_a_pull_reports_done_only_after_every_read_ended_and_was_re_laid_out() -> None:
+    m = _machine("pull")
+    assert m.transfer_ended(0) == []
+    assert m.phase is Phase.MOVE
+    assert m.transfer_ended(1) == [Relayout()]
+    out = m.relaid_out()
+    assert _kinds(out) == ["Send", "Send", "GiveStaging", "Report"]
+    assert all(isinstance(a, Send) and isinstance(a.message, ReadDone) and a.message.ok for a in out[:2])
+    assert out[-1] == Report("done")
+
+
+def test_an_abort_during_a_read_drains_until_the_read_ended_then_reports_failed() -> None:
+    m = _machine("pull")
+    assert m.transfer_ended(0) == []
+    assert m.abort() == []
+    assert m.phase is Phase.DRAINING
+    out = m.transfer_ended(1)
+    assert out[-2:] == [GiveStaging(), Report("failed", "aborted on the decode instance")]
+    late = m.transfer_ended(1)  # a repeated callback after the report: dropped, with a note
+    assert len(late) == 1 and isinstance(late[0], Note) and "after the request was reported" in late[0].text
+
+
+def test_a_push_past_its_deadline_cancels_and_fences_at_the_drain_bound_then_reports() -> None:
+    m = _machine("push")
+    assert m.push_result(0, True) == []
+    out = m.tick(10.5)
+    assert out == [Send(1, Cancel("p-r", "decode", 0, "tok"))]
+    assert m.phase is Phase.DRAINING
+    assert m.tick(11.0) == []  # the drain bound starts on the first tick that sees it draining
+    assert m.tick(12.9) == []
+    fence = m.tick(13.1)
+    assert len(fence) == 1 and isinstance(fence[0], Fence) and fence[0].ranks == (1,)
+    assert m.tick(14.0) == []  # asked once
+    assert m.fenced()[-1] == Report("timed_out", "the KV did not arrive before the deadline")
+    late = m.push_result(1, True)
+    assert len(late) == 1 and isinstance(late[0], Note) and late[0].text.endswith("after it was reported; dropped")
+
+
+def test_a_failed_push_from_one_rank_waits_for_the_other_and_is_never_done() -> None:
+    m = _machine("push")
+    assert m.push_result(0, False, "boom") == []
+    assert m.phase is Phase.DRAINING
+    assert m.push_result(1, True)[-1] == Report("failed", "push from prefill rank 0 failed: boom")
+
+
+def test_a_handshake_that_failed_reports_at_once_with_nothing_sent() -> None:
+    m = DecodeRequest(Ident("r", "pull", "p-r", "prefill", "boot", "tok", 2, "decode", 0, 1, 2.0), 10.0)
+    out = m.connections({0: RankView("ready", "h:0", "", "prefill", "boot"), 1: RankView("failed", "h:1", "no")})
+    assert out == [GiveStaging(), Report("failed", "handshake with prefill rank 1 at h:1 failed: no")]
+
+
+def test_the_docs_list_exactly_the_machines_transitions() -> None:
+    text = DOCS.read_text()
+    block = re.search(r"<!-- decode-transitions:begin -->\n(.*?)\n<!-- decode-transitions:end -->", text, re.S)
+    assert block is not None, "docs/disagg.md lost its decode-transitions block"
+    assert block.group(1) == transitions_table(), "docs/disagg.md: paste decode_request.transitions_table() in"
+    assert {a for a, _, _ in TRANSITIONS} | {b for _, _, b in TRANSITIONS} == set(Phase)

@@ -14,7 +14,10 @@ Who calls what (the engine's thread; the vLLM connector wraps these):
 - ``pending_requests()``, ``draining_requests()``: requests not yet reported, and those of them that have a
   verdict but wait for the fence.
 
-The fence (``phases.py``): a request is reported only once no transfer of the engine's can write its blocks.
+Each request is a pure state machine (``decode_request.DecodeRequest``): this class routes every message, timer
+and engine call to the request's machine and carries out the actions it returns (``_run``).
+
+The fence: a request is reported only once no transfer of the engine's can write its blocks.
 A READ that timed out while the engine still has it queued (a link that is down) makes the transfer thread
 reset the engine first (``Mover``); a push whose prefill did not answer within ``drain_timeout_s`` of the
 verdict is fenced the same way. After a reset, prefill ranks handshake again before their next request, so
@@ -32,7 +35,7 @@ import logging
 import time
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zmq
@@ -40,28 +43,36 @@ import zmq
 from kvplane.backend.base import Backend
 from kvplane.blocks.groups import PerGroup
 from kvplane.errors import KvplaneError, TransferTimeout
-from kvplane.flows.disagg import channel, phases
+from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.decode_actions import (
+    Action,
+    Fence,
+    GiveStaging,
+    MarkStale,
+    Relayout,
+    Report,
+    Send,
+    Start,
+)
+from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase, RankView
 from kvplane.flows.disagg.decode_start import Starter
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
     MAX_HEARTBEAT_IDS,
-    Cancel,
     Handshake,
     Heartbeat,
     Message,
     Problem,
     PushResult,
-    ReadDone,
     Reject,
 )
 from kvplane.flows.disagg.mover import Mover
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import Prober, check_hello, record
-from kvplane.flows.disagg.phases import Phase
 from kvplane.flows.disagg.published import Published
 from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.results import Completion, State
@@ -168,7 +179,11 @@ class DecodeSide(SideLifecycle):
         ids = self.local.block_ids(request_id, block_ids, num_tokens, distinct=True)
         remote = {g: np.asarray(v, dtype=np.int64) for g, v in p.block_ids(self.local.group_ids).items()} \
             if p.remote_block_ids else {}
-        return Want(request_id, p, ids, remote, num_tokens, mode, time.monotonic() + budget_s)
+        c = self.config
+        ident = Ident(request_id, "pull" if mode == "pull" else "push", p.remote_request_id, p.remote_engine_id,
+                      p.remote_boot_id, p.kvplane_token, p.tp_size, c.engine_id, c.rank, c.tp_size,
+                      c.drain_timeout_s)
+        return Want(request_id, p, ids, remote, num_tokens, mode, DecodeRequest(ident, time.monotonic() + budget_s))
 
     def _submit(self, want: Want) -> None:
         self._active.add(want.request_id)
@@ -176,7 +191,7 @@ class DecodeSide(SideLifecycle):
 
     # -- loop: requests -----------------------------------------------------------------------------------
     def _publish(self) -> None:
-        self._out.draining = sum(1 for w in self._wants.values() if w.phase is Phase.DRAINING)
+        self._out.draining = sum(1 for w in self._wants.values() if w.machine.phase is Phase.DRAINING)
         self._out.publish(self._mover.moving)
 
     def _add(self, want: Want) -> None:
@@ -188,7 +203,7 @@ class DecodeSide(SideLifecycle):
             conn = self._conn(p.remote_host, p.remote_port + rank, rank, p.remote_boot_id if want.mode == "pull" else "")
             conn.waiting.add(rid)
             want.conns.append(conn)
-        self._maybe_start(want)
+        self._connections(want)
 
     def _conn(self, host: str, port: int, rank: int, boot_id: str) -> Conn:
         """The connection to one prefill rank; a new handshake when there is none, it failed, or the rank's
@@ -227,53 +242,84 @@ class DecodeSide(SideLifecycle):
             if conn.state == "ready":
                 conn.stale = True
 
-    def _maybe_start(self, want: Want) -> None:
-        if want.phase is not Phase.CONNECT or want.state is not None:
-            return
-        failed = [c for c in want.conns if c.state == "failed"]
-        if failed:
-            self._complete(want, "failed", f"handshake with prefill rank {failed[0].rank} at "
-                                           f"{failed[0].host}:{failed[0].port} failed: {failed[0].error}")
-            return
-        if any(c.state != "ready" for c in want.conns):
-            return
+    def _connections(self, want: Want) -> None:
+        """Show the request's machine its connections as they are now."""
+        views = {}
         for conn in want.conns:
-            assert conn.record is not None
+            state: Literal["waiting", "ready", "failed"] = \
+                "ready" if conn.state == "ready" else "failed" if conn.state == "failed" else "waiting"
+            who = (conn.record.engine_id, conn.record.boot_id) if conn.record is not None else ("", "")
+            views[conn.rank] = RankView(state, f"{conn.host}:{conn.port}", conn.error, *who)
+        self._run(want, want.machine.connections(views))
+
+    def _start(self, want: Want) -> None:
+        for conn in want.conns:
             conn.waiting.discard(want.request_id)
-            if conn.record.engine_id != want.params.remote_engine_id:
-                self._complete(want, "failed", f"{conn.host}:{conn.port} is engine {conn.record.engine_id!r}, but "
-                                               f"kv_transfer_params name {want.params.remote_engine_id!r}")
-                return
-            if want.mode == "pull" and conn.record.boot_id != want.params.remote_boot_id:
-                self._complete(want, "failed", f"prefill rank {conn.rank} restarted since it finished this "
-                                               f"request; the KV it held is gone (recompute it)")
-                return
-        self._starter.start(want)
+        self._starter.start(want)  # calls _cannot_plan when it cannot
+        machine = want.machine
+        if machine.phase is Phase.CONNECT and machine.verdict is None:
+            self._run(want, machine.no_room() if want.waiting_staging else machine.started(sorted(want.pending)))
+
+    def _cannot_plan(self, want: Want, reason: str) -> None:
+        """The ``Starter`` could not plan the request (nothing was submitted)."""
+        self._run(want, want.machine.cannot_plan(reason))
 
     def _moved(self, want: Want, rank: int, error: KvplaneError | None) -> None:
-        if not phases.writer_ended(want.phase, want.pending, rank):
-            logger.warning("decode rank %d: a READ of request %s from prefill rank %d ended after the request "
-                           "was reported; dropped", self.config.rank, want.request_id, rank)
-            return
-        if error is not None:
-            conn = want.conns[rank]
-            if conn.state == "ready":
-                conn.stale = True  # the prefill's engine may have been reset: learn its descriptor again
-            self._decide(want, "timed_out" if isinstance(error, TransferTimeout) else "failed",
-                         f"READ from prefill rank {rank} failed: {error}")
-        if not want.pending:
-            self._finish(want)
+        """A READ's callback from the transfer thread, on the loop."""
+        self._run(want, want.machine.transfer_ended(rank, "" if error is None else str(error),
+                                                    isinstance(error, TransferTimeout)))
 
     def _on_abort(self, request_id: str) -> None:
         want = self._wants.get(request_id)
-        if want is None:
-            return
-        want.aborted = True
-        self._decide(want, "failed", "aborted on the decode instance")
-        if want.phase is Phase.CONNECT:
-            self._finish(want)
-        elif want.mode == "push" and want.phase is Phase.DRAINING:
-            self._cancel_push(want)
+        if want is not None:
+            self._run(want, want.machine.abort())
+
+    # -- loop: actions ------------------------------------------------------------------------------------
+    def _run(self, want: Want, actions: list[Action]) -> None:
+        """Carry out what the request's machine asked for, in order."""
+        for action in actions:
+            if isinstance(action, Send):
+                conn = want.conns[action.rank]
+                if not action.ready_only or (conn.state == "ready" and conn.record is not None):
+                    channel.send(conn.socket, action.message, self.counters)
+            elif isinstance(action, Start):
+                self._start(want)
+            elif isinstance(action, Relayout):
+                try:
+                    self._starter.relayout(want)
+                    error = ""
+                except Exception as e:  # a re-layout that fails leaves the blocks untrustworthy
+                    error = repr(e)
+                self._run(want, want.machine.relaid_out(error))
+            elif isinstance(action, Fence):
+                self._mover.fence(partial(self._fenced, want), action.reason)
+            elif isinstance(action, MarkStale):
+                conn = want.conns[action.rank]
+                if conn.state == "ready":
+                    conn.stale = True  # the prefill's engine may have been reset: learn its descriptor again
+            elif isinstance(action, GiveStaging):
+                for offset, _, _ in want.staged:
+                    self.local.arena.give(offset)
+                want.staged.clear()
+            elif isinstance(action, Report):
+                self._report(want, action.state, action.reason)
+            else:
+                logger.log(action.level, "decode rank %d: %s", self.config.rank, action.text)
+
+    def _fenced(self, want: Want) -> None:
+        self._run(want, want.machine.fenced())
+
+    def _report(self, want: Want, state: State, reason: str) -> None:
+        for conn in want.conns:
+            conn.waiting.discard(want.request_id)
+        if self._wants.get(want.request_id) is want:
+            del self._wants[want.request_id]
+            self._by_remote.pop((want.params.remote_engine_id, want.params.remote_request_id), None)
+        failed = {} if state == "done" else {g: tuple(int(b) for b in ids) for g, ids in want.block_ids.items()}
+        if state != "done":
+            logger.warning("decode rank %d: request %s %s (%s)", self.config.rank, want.request_id, state, reason)
+        recorder().request_ended(self.config.mode if want.mode == "push" else want.mode, state)  # push/layerwise
+        self._out.add(Completion(want.request_id, state, failed, reason))
 
     # -- loop: messages -----------------------------------------------------------------------------------
     def _on_readable(self, conn: Conn, sock: zmq.Socket[bytes]) -> None:
@@ -288,26 +334,13 @@ class DecodeSide(SideLifecycle):
             engine = conn.record.engine_id if conn.record is not None else ""
             rid = self._by_remote.get((engine, message.request_id))
             want = self._wants.get(rid) if rid is not None else None
-            if want is None or not phases.counts(want.phase):  # a late word for a request already reported
+            if want is None:  # a late word for a request already reported
                 if message.request_id:  # not a connection check
                     logger.info("decode rank %d: %s for request %s of %s came after the request was reported; "
                                 "dropped", self.config.rank, type(message).__name__, message.request_id, engine)
                 return
-            if isinstance(message, Problem):
-                self._decide(want, "failed", f"prefill rank {message.rank}: {message.reason}")
-                if want.mode == "push" or want.phase is Phase.CONNECT:
-                    want.pending.discard(message.rank)
-            else:
-                if not phases.writer_ended(want.phase, want.pending, message.rank):
-                    logger.info("decode rank %d: a repeated PushResult for request %s from prefill rank %d; dropped",
-                                self.config.rank, want.request_id, message.rank)
-                    return
-                if not message.ok:
-                    self._decide(want, "failed", f"push from prefill rank {message.rank} failed: {message.reason}")
-            if want.phase is not Phase.CONNECT and not want.pending:
-                self._finish(want)
-            elif want.phase is Phase.CONNECT and want.state is not None:
-                self._finish(want)
+            self._run(want, want.machine.problem(message.rank, message.reason) if isinstance(message, Problem)
+                      else want.machine.push_result(message.rank, message.ok, message.reason))
         else:
             self.counters.rejected += 1
             logger.warning("decode rank %d: %s is not a message a decode rank takes; dropped", self.config.rank,
@@ -341,7 +374,7 @@ class DecodeSide(SideLifecycle):
         for rid in list(conn.waiting):
             want = self._wants.get(rid)
             if want is not None:
-                self._maybe_start(want)
+                self._connections(want)
 
     def _conn_failed(self, conn: Conn, reason: str) -> None:
         conn.state, conn.error, conn.deferred = "failed", reason, False
@@ -349,82 +382,8 @@ class DecodeSide(SideLifecycle):
         for rid in list(conn.waiting):
             want = self._wants.get(rid)
             if want is not None:
-                self._maybe_start(want)
+                self._connections(want)
         conn.waiting.clear()
-
-    # -- loop: completion ---------------------------------------------------------------------------------
-    def _decide(self, want: Want, state: State, reason: str) -> None:
-        if want.state is None:
-            want.state, want.reason = state, reason
-        want.phase = phases.after_verdict(want.phase, len(want.pending))
-        if want.phase is Phase.DRAINING and not want.drain_deadline:
-            want.drain_deadline = time.monotonic() + self.config.drain_timeout_s
-
-    def _fence(self, want: Want) -> None:
-        """A push's writers did not answer within drain_timeout_s of the verdict: reset this rank's engine, so
-        nothing they queued can land, then report the request."""
-        want.fencing = True
-        ranks = sorted(want.pending)
-
-        def fenced() -> None:
-            want.fencing = False
-            want.pending.clear()
-            if want.phase is Phase.DRAINING:
-                self._finish(want)
-
-        self._mover.fence(fenced, f"request {want.request_id}: prefill ranks {ranks} did not confirm their "
-                                  f"writes ended within drain_timeout_s={self.config.drain_timeout_s}")
-
-    def _cancel_push(self, want: Want) -> None:
-        for conn in want.conns:
-            if conn.rank in want.pending:
-                channel.send(conn.socket, Cancel(want.params.remote_request_id, self.config.engine_id,
-                                                 self.config.rank, want.params.kvplane_token), self.counters)
-
-    def _give_up_push(self, want: Want) -> None:
-        """A push this rank gives up on before registering it: a ``Cancel`` to every prefill rank it handshook,
-        which then frees the request's blocks at once (they are not written, so there is nothing to drain)."""
-        for conn in want.conns:
-            if conn.state == "ready" and conn.record is not None:
-                channel.send(conn.socket, Cancel(want.params.remote_request_id, self.config.engine_id,
-                                                 self.config.rank, want.params.kvplane_token), self.counters)
-
-    def _finish(self, want: Want) -> None:
-        """Nothing moves into the request's blocks any more: re-lay out, tell the prefill, report."""
-        if not phases.may_report(want.phase, len(want.pending)):
-            logger.error("decode rank %d: request %s asked to report in phase %s with prefill ranks %s still "
-                         "writing; kept (a bug)", self.config.rank, want.request_id, want.phase.value,
-                         sorted(want.pending))
-            return
-        if want.state is None:
-            try:
-                self._starter.relayout(want)
-            except Exception as e:  # a re-layout that fails leaves the blocks untrustworthy
-                self._decide(want, "failed", f"re-layout of staged blocks failed: {e!r}")
-        if want.mode == "pull":
-            for conn in want.conns:
-                if conn.record is not None:
-                    channel.send(conn.socket, ReadDone(
-                        want.params.remote_request_id, self.config.engine_id, self.config.rank,
-                        self.config.tp_size, want.state is None, conn.record.boot_id, want.params.kvplane_token),
-                        self.counters)
-        self._complete(want, want.state or "done", want.reason)
-
-    def _complete(self, want: Want, state: State, reason: str = "") -> None:
-        want.phase = Phase.REPORTED
-        for offset, _, _ in want.staged:
-            self.local.arena.give(offset)
-        want.staged.clear()
-        for conn in want.conns:
-            conn.waiting.discard(want.request_id)
-        if self._wants.get(want.request_id) is want:
-            del self._wants[want.request_id]
-            self._by_remote.pop((want.params.remote_engine_id, want.params.remote_request_id), None)
-        failed = {} if state == "done" else {g: tuple(int(b) for b in ids) for g, ids in want.block_ids.items()}
-        if state != "done":
-            logger.warning("decode rank %d: request %s %s (%s)", self.config.rank, want.request_id, state, reason)
-        recorder().request_ended(self.config.mode if want.mode == "push" else want.mode, state)  # push/layerwise
-        self._out.add(Completion(want.request_id, state, failed, reason))
 
     # -- loop: time ---------------------------------------------------------------------------------------
     def _tick(self) -> float:
@@ -451,30 +410,15 @@ class DecodeSide(SideLifecycle):
                                   else f"no answer to the handshake within {self.config.handshake_timeout_s} s; "
                                        f"is the prefill instance running and reachable?")
         for want in list(self._wants.values()):
-            if want.waiting_staging and want.phase is Phase.CONNECT and want.state is None:
-                self._starter.start(want)
-            if want.phase is Phase.CONNECT and (now > want.deadline or want.state is not None):
-                self._decide(want, "timed_out", "the transfer did not start before the deadline (waiting for the "
-                                                "handshake or for staging room)")
-                if want.mode == "push":
-                    self._give_up_push(want)
-                self._finish(want)
-            elif want.phase is Phase.MOVE and now > want.deadline:
-                self._decide(want, "timed_out", "the KV did not arrive before the deadline")
-                if want.mode == "push":
-                    self._cancel_push(want)
-            elif want.phase is Phase.DRAINING and want.mode == "push" and now > want.drain_deadline \
-                    and not want.fencing:
-                self._fence(want)  # pulls need no bound here: the transfer thread fences unsettled READs
+            self._run(want, want.machine.tick(now))
 
     def _heartbeat(self) -> None:
         by_conn: dict[tuple[str, int], list[tuple[str, str]]] = {}
         for want in self._wants.values():
-            if want.phase in (Phase.CONNECT, Phase.MOVE):
-                for conn in want.conns:
-                    if conn.state == "ready":
-                        by_conn.setdefault((conn.host, conn.port), []).append(
-                            (want.params.remote_request_id, want.params.kvplane_token))
+            for send in want.machine.heartbeat():
+                conn = want.conns[send.rank]
+                if conn.state == "ready" and isinstance(send.message, Heartbeat):
+                    by_conn.setdefault((conn.host, conn.port), []).extend(send.message.requests)
         for key, requests in by_conn.items():
             for start in range(0, len(requests), MAX_HEARTBEAT_IDS):
                 channel.send(self._conns[key].socket, Heartbeat(self.config.engine_id, self.config.rank,

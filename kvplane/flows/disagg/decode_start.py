@@ -14,7 +14,7 @@ import numpy as np
 
 from kvplane.blocks.groups import Ids
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg import channel, phases
+from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
@@ -39,7 +39,6 @@ class Starter:
             want.waiting_staging = True  # retried on each tick until room frees or the deadline passes
             return
         want.waiting_staging = False
-        want.phase = phases.start(want.phase)
         try:
             if want.mode == "pull":
                 self._start_reads(want, sources, staging)
@@ -51,10 +50,7 @@ class Starter:
     def _cannot_plan(self, want: Want, error: KvplaneError) -> None:
         """Fail the request and tell the prefill ranks (a pull's ``ReadDone``, a push's ``Cancel``), so they free
         its blocks now instead of at the end of their lease. No push registration was sent yet."""
-        self.side._decide(want, "failed", f"cannot plan the transfer: {error}")
-        if want.mode != "pull":
-            self.side._give_up_push(want)
-        self.side._finish(want)
+        self.side._cannot_plan(want, str(error))
 
     def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
         """Staging ``(offset, bytes)`` per prefill rank that needs it; None when the arena is full for now."""

@@ -1,6 +1,7 @@
 """What each side keeps per peer and per request while KV moves: the decode side's connections to prefill ranks
-(``Conn``) and requests it receives (``Want``); the prefill side's requests it holds (``Held``) and the decode
-ranks each one is pushed to (``Target``). Plain records: ``decode.py`` and ``prefill.py`` own their changes.
+(``Conn``) and requests it receives (``Want``: what the ``Starter`` needs, and the request's machine); the prefill
+side's requests it holds (``Held``) and the decode ranks each one is pushed to (``Target``). Plain records:
+``decode.py`` and ``prefill.py`` own their changes.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ import zmq
 
 from kvplane.blocks.groups import Ids
 from kvplane.descriptors import CopyPlan
+from kvplane.flows.disagg.decode_request import DecodeRequest
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord
-from kvplane.flows.disagg.phases import Phase
-from kvplane.flows.disagg.results import State
 from kvplane.plan.planner import TransferPlan
 
 
@@ -40,7 +40,8 @@ class Conn:
 
 @dataclass
 class Want:
-    """One request this rank is receiving KV for."""
+    """One request this rank is receiving KV for: what the ``Starter`` plans from and fills in (``pending``, the
+    ranks it submitted to; ``staged``; ``waiting_staging``), and the request's ``machine``, which owns its phase."""
 
     request_id: str
     params: TransferParams
@@ -48,17 +49,11 @@ class Want:
     remote_ids: dict[int, Ids]
     num_tokens: int
     mode: str  # "pull" or "push"
-    deadline: float
+    machine: DecodeRequest
     conns: list[Conn] = field(default_factory=list)
-    phase: Phase = Phase.CONNECT
-    pending: set[int] = field(default_factory=set)  # prefill ranks still moving bytes
+    pending: set[int] = field(default_factory=set)  # prefill ranks the Starter submitted READs to (or registered)
     staged: list[tuple[int, int, TransferPlan]] = field(default_factory=list)  # (offset, bytes, plan)
     waiting_staging: bool = False
-    state: State | None = None  # set once the outcome is decided (the request ends when nothing moves)
-    reason: str = ""
-    aborted: bool = False
-    drain_deadline: float = 0.0
-    fencing: bool = False  # the engine is being reset so that no write of a lost writer can land
 
 
 @dataclass
