@@ -106,3 +106,28 @@ def test_a_push_larger_than_staging_bytes_is_refused_saying_a_push_stages_the_wh
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_abort_during_a_chunked_pull_stops_it_and_gives_the_staging_range_back(engine: str) -> None:
+    """Aborted right after it starts (however far its chunks got), the request is reported once, the prefill is
+    told, the range goes back, and the next pull through the same buffer lands every byte."""
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", num_blocks=160, seed=9, engine=engine)
+    decode = make("decode", spec, "mla_split", num_blocks=160, engine=engine,
+                  staging_bytes=2 * source_block_bytes(16))
+    try:
+        tokens = 1000  # 63 blocks x 4 layers: 252 chunks of one block, two in flight
+        p_ids, d_ids = prefill.allocate(tokens), decode.allocate(tokens)
+        decode.side.start_pull("big", prefill.side.request_finished("big", p_ids, tokens), d_ids)
+        decode.side.abort("big")
+        assert decode.wait("big").state in ("failed", "done")  # "done" only if every chunk beat the abort
+        prefill.wait("big")
+        assert decode.side.local.arena.in_use == 0
+        p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+        decode.side.start_pull("next", prefill.side.request_finished("next", p_ids, TOKENS), d_ids)
+        assert decode.wait("next").state == "done"
+        assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
+    finally:
+        decode.close()
+        prefill.close()

@@ -36,17 +36,21 @@ logger = logging.getLogger("kvplane.disagg")
 
 
 class Relayouts:
-    """A thread that runs re-layout jobs in order; started when a job comes, gone once none is left."""
+    """A thread that runs re-layout jobs in order: started when a job comes, and gone once none came for
+    ``LINGER_S`` (kept warm between chunks and requests: a fresh thread also starts a fresh OpenMP team)."""
+
+    LINGER_S = 5.0
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._jobs: deque[Callable[[], None]] = deque()
-        self._lock = threading.Lock()
+        self._wake = threading.Condition()
         self._running = False
 
     def put(self, job: Callable[[], None]) -> None:
-        with self._lock:
+        with self._wake:
             self._jobs.append(job)
+            self._wake.notify()
             if self._running:
                 return
             self._running = True
@@ -54,7 +58,9 @@ class Relayouts:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
+            with self._wake:
+                if not self._jobs:
+                    self._wake.wait(self.LINGER_S)
                 if not self._jobs:
                     self._running = False
                     return
