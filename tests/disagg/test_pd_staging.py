@@ -59,10 +59,12 @@ def test_a_pull_many_times_larger_than_staging_bytes_lands_every_byte(case: str,
     prefill = make("prefill", p_spec, p_layout, seed=7, engine=engine)
     decode = make("decode", d_spec, d_layout, engine=engine, staging_bytes=staging)
     try:
-        for request in ("r1", "r2"):  # the second reuses the staging range the first gave back
+        tables = {}
+        for request in ("r1", "r2", "r3"):  # started at once: they queue for the buffer, each reuses its range
             p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
-            params = prefill.side.request_finished(request, p_ids, TOKENS)
-            decode.side.start_pull(request, params, d_ids)
+            tables[request] = p_ids, d_ids
+            decode.side.start_pull(request, prefill.side.request_finished(request, p_ids, TOKENS), d_ids)
+        for request, (p_ids, d_ids) in tables.items():
             done = decode.wait(request)
             assert done.state == "done", done.reason
             assert landed(d_spec, decode, d_ids, prefill, p_ids, TOKENS)

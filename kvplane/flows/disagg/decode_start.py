@@ -47,29 +47,30 @@ class Starter:
         self.relayouts = Relayouts(f"kvplane-decode-{side.config.rank}-relayout")
 
     def start(self, want: Want) -> None:
-        pull: tuple[Direct, list[Chunk], int, int] | None = None
+        """Plan the request, take its staging room and submit its READs (pull) or send its registration (push);
+        with no staging room free for now, leave it waiting (retried on each tick until its deadline)."""
         try:
             sources = layers_by_source(self.side.local.manifest, want.params.tp_size, want.params.remote_request_id)
             if want.mode == "pull":
                 pull = self._plan_pull(want, sources)
-                staging: dict[int, tuple[int, int]] | None = None if pull is None else {}
-            else:
-                staging = self._take_staging(want, sources)
-        except KvplaneError as e:
-            self._cannot_plan(want, e)
-            return
-        if staging is None:
-            want.waiting_staging = True  # retried on each tick until room frees or the deadline passes
-            return
-        want.waiting_staging = False
-        want.phase = phases.start(want.phase)
-        try:
-            if pull is not None:
+                if self._waits(want, pull is None):
+                    return
+                assert pull is not None
                 self._start_reads(want, *pull)
             else:
+                staging = self._take_staging(want, sources)
+                if self._waits(want, staging is None):
+                    return
+                assert staging is not None
                 self._start_push(want, sources, staging)
         except KvplaneError as e:
             self._cannot_plan(want, e)
+
+    def _waits(self, want: Want, no_room: bool) -> bool:
+        want.waiting_staging = no_room
+        if not no_room:
+            want.phase = phases.start(want.phase)
+        return no_room
 
     def _cannot_plan(self, want: Want, error: KvplaneError) -> None:
         """Fail the request and tell the prefill ranks (a pull's ``ReadDone``, a push's ``Cancel``), so they free
@@ -135,6 +136,8 @@ class Starter:
         slots = min(slots, len(chunks))
         slot_bytes = max(c.nbytes for c in chunks)
         offset = self.side.local.arena.take(_stride(slot_bytes) * (slots - 1) + slot_bytes)
+        if offset is None and slots > 1:  # other requests hold part of the buffer: one chunk at a time
+            slots, offset = 1, self.side.local.arena.take(slot_bytes)
         return None if offset is None else (direct, chunks, offset, slots)
 
     def _route(self, want: Want, src: Manifest, layers: list[str], staging: tuple[int, int] | None) -> TransferPlan:
