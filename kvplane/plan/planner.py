@@ -64,6 +64,7 @@ class StagedLayer:
     num_tokens: int
     heads: tuple[int, int]  # global head ids [lo, hi) this transfer fills
     dst_head_start: int
+    dst_token_start: int = 0  # where the staged tokens begin in ``dst_block_ids[0]`` (a chunk of a request)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ def apply_relayout(
         for p in r.parts:
             cols = slice(p.offset // isz, (p.offset + p.nbytes) // isz)
             src[p.slot] = tok[:tokens, lo - part.head_start : hi - part.head_start, cols]
-    ids = torch.as_tensor(staged.dst_block_ids[: -(-tokens // staged.dst_tokens_per_block)])
+    t0 = staged.dst_token_start
+    ids = torch.as_tensor(staged.dst_block_ids[: -(-(t0 + tokens) // staged.dst_tokens_per_block)])
     d0 = staged.dst_head_start
     for st in dst_layout.slot_tensors(dst_layer, staged.dst_tokens_per_block, dst_value):
         index = ids.to(st.tensor.device)
@@ -59,5 +60,5 @@ def apply_relayout(
         for name, offset, width in st.parts:
             if name not in src:
                 raise PlanError(f"layer {staged.layer_name!r}: the source has no slot {name!r} to fill it from")
-            rows[:tokens, lo - d0 : hi - d0, offset : offset + width] = src[name].to(rows.device)
+            rows[t0 : t0 + tokens, lo - d0 : hi - d0, offset : offset + width] = src[name].to(rows.device)
         st.tensor.index_copy_(0, index, blocks)

@@ -106,9 +106,9 @@ def setup(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, **bou
     return p_workers, d_workers, base_port
 
 
-def run_pd(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, push_first: bool = True
-           ) -> tuple[list[int], torch.Tensor]:
-    p_workers, d_workers, base_port = setup(pool, prefill, decode, engine, mode)
+def run_pd(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, push_first: bool = True,
+           **bounds: Any) -> tuple[list[int], torch.Tensor]:
+    p_workers, d_workers, base_port = setup(pool, prefill, decode, engine, mode, **bounds)
     request = f"req-{uuid.uuid4().hex[:6]}"
     p_table, d_table = prefill.table(1, len(PROMPT)), decode.table(2, len(PROMPT) + STEPS)
     pre_params = TransferParams.for_push("prefill-e2e", request, "127.0.0.1", base_port, tp_size=prefill.tp,
@@ -145,8 +145,9 @@ def run_pd(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, push
     return decoded[0]["tokens"], torch.cat([first_logits, logits_of(decoded[0]["logits"], STEPS)])
 
 
-def check(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, push_first: bool = True) -> None:
-    tokens, logits = run_pd(pool, prefill, decode, engine, mode, push_first)
+def check(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, push_first: bool = True,
+          **bounds: Any) -> None:
+    tokens, logits = run_pd(pool, prefill, decode, engine, mode, push_first, **bounds)
     want_tokens, want_logits = reference(prefill)
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits), (logits - want_logits).abs().max()
@@ -188,3 +189,15 @@ def test_heterogeneous_deployments_decode_exactly_as_one_process(pool: Pool, nam
                                                                  ) -> None:
     prefill, decode = HETERO[name]
     check(pool, prefill, decode, engine, mode)
+
+
+STAGED = ("tp2-to-tp1-split_kv", "tp1-to-tp2-split_kv", "mla-fused-to-split")
+SMALL_STAGING = 2560  # two source blocks of one MLA layer; each of these pulls stages 3-5x that per decode rank
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", STAGED)
+def test_staged_pulls_larger_than_staging_bytes_decode_exactly_as_one_process(pool: Pool, name: str, engine: str
+                                                                               ) -> None:
+    prefill, decode = HETERO[name]
+    check(pool, prefill, decode, engine, "pull", staging_bytes=SMALL_STAGING)

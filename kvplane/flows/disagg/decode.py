@@ -24,8 +24,9 @@ verdict is fenced the same way. After a reset, prefill ranks handshake again bef
 they load this rank's new transport descriptor.
 
 Handshakes (manifest and compatibility check, transport descriptors), heartbeats that renew the prefill's
-lease, staging and re-layout run on this side's I/O loop thread; transfers on its transfer thread
-(``mover.py``), and ``get_finished`` never waits for either. Messages about a request carry its token. Every wait is bounded by
+lease, and a push's re-layout run on this side's I/O loop thread; transfers on its transfer thread
+(``mover.py``), a staged pull's chunks on the transfer thread and its re-layouts on their own thread
+(``staged_pull.py``), and ``get_finished`` never waits for either. Messages about a request carry its token. Every wait is bounded by
 ``DisaggConfig``; a prefill rank that vanishes ends its requests ``failed`` or ``timed_out``, never a hang.
 """
 

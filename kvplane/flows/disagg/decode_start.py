@@ -3,6 +3,10 @@ registration, and the re-layout of staged blocks once the bytes landed.
 
 ``DecodeSide`` (on its I/O loop) calls ``start`` once every prefill rank the request needs handshook, and
 ``relayout`` once nothing moves into the request's blocks any more; READs go to the side's transfer thread.
+A pull stages in bounded chunks (``staged_pull``: READ a chunk, re-lay it out off the loop, reuse the range),
+so it needs ``staging_bytes`` to hold one source block, not the request; its ``relayout`` has nothing left to
+do. A push stages the whole request in one range, re-laid out by ``relayout`` on the loop: the prefill writes
+the request into the range the registration names, and the protocol has no per-chunk flow control.
 """
 
 from __future__ import annotations
@@ -15,37 +19,56 @@ import numpy as np
 from kvplane.blocks.groups import Ids
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg import channel
+from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
+from kvplane.flows.disagg.staged_pull import Relayouts, StagedPull
+from kvplane.flows.disagg.staging import ALIGN
+from kvplane.flows.disagg.staging_chunks import Chunk, chunk_bound, split_staged
+from kvplane.kv.manifest import Manifest
+from kvplane.plan.planner import StagedLayer, TransferPlan
 from kvplane.plan.relayout import apply_relayout
 
 if TYPE_CHECKING:
     from kvplane.flows.disagg.decode import DecodeSide
 
+Direct = dict[int, TransferPlan | None]  # per prefill rank: the plan of its layers that land directly
+WHOLE = (0, 1 << 62)  # plan as if the whole request had one range: only the sizes and offsets are read
+
+
+def _stride(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
 
 class Starter:
     def __init__(self, side: DecodeSide) -> None:
         self.side = side
+        self.relayouts = Relayouts(f"kvplane-decode-{side.config.rank}-relayout")
 
     def start(self, want: Want) -> None:
+        """Plan the request, take its staging room and submit its READs (pull) or send its registration (push);
+        with no staging room free for now, leave it waiting (retried on each tick until its deadline)."""
         try:
             sources = layers_by_source(self.side.local.manifest, want.params.tp_size, want.params.remote_request_id)
-            staging = self._take_staging(want, sources)
-        except KvplaneError as e:
-            self._cannot_plan(want, e)
-            return
-        if staging is None:
-            want.waiting_staging = True  # retried on each tick until room frees or the deadline passes
-            return
-        want.waiting_staging = False
-        try:
             if want.mode == "pull":
-                self._start_reads(want, sources, staging)
+                pull = self._plan_pull(want, sources)
+                if self._waits(want, pull is None):
+                    return
+                assert pull is not None
+                self._start_reads(want, *pull)
             else:
+                staging = self._take_staging(want, sources)
+                if self._waits(want, staging is None):
+                    return
+                assert staging is not None
                 self._start_push(want, sources, staging)
         except KvplaneError as e:
             self._cannot_plan(want, e)
+
+    def _waits(self, want: Want, no_room: bool) -> bool:
+        want.waiting_staging = no_room
+        return no_room
 
     def _cannot_plan(self, want: Want, error: KvplaneError) -> None:
         """Fail the request and tell the prefill ranks (a pull's ``ReadDone``, a push's ``Cancel``), so they free
@@ -53,17 +76,24 @@ class Starter:
         self.side._cannot_plan(want, str(error))
 
     def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
-        """Staging ``(offset, bytes)`` per prefill rank that needs it; None when the arena is full for now."""
+        """A push's staging ``(offset, bytes)`` per prefill rank that needs it, for the whole request; None when
+        the arena is full for now."""
         out: dict[int, tuple[int, int]] = {}
         for rank, layers in sources.items():
             conn = want.conns[rank]
             assert conn.record is not None
             key = tuple(layers)
             if conn.stages.get(key, True):
-                src_ids = want.remote_ids if want.mode == "pull" else _stand_in_ids(conn, want.num_tokens)
-                need = staging_needed(conn.record.manifest, self.side.local.manifest, src_ids, want.block_ids,
-                                      want.num_tokens, layers)
+                need = staging_needed(conn.record.manifest, self.side.local.manifest,
+                                      _stand_in_ids(conn, want.num_tokens), want.block_ids, want.num_tokens, layers)
                 conn.stages[key] = need > 0
+                if need > self.side.local.arena.size:
+                    raise DisaggError(
+                        f"a push stages the whole request at once (the prefill writes into one range; a pull stages "
+                        f"in bounded chunks): request {want.request_id!r} needs {need} B from prefill rank {rank} but "
+                        f"DisaggConfig.staging_bytes={self.side.local.arena.size}; raise it to at least {need}, or "
+                        f"pull requests this large"
+                    )
                 if need:
                     offset = self.side.local.arena.take(need)
                     if offset is None:
@@ -73,22 +103,59 @@ class Starter:
                     out[rank] = (offset, need)
         return out
 
-    def _start_reads(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]) -> None:
-        plans = []
+    def _plan_pull(self, want: Want, sources: dict[int, list[str]]) -> tuple[Direct, list[Chunk], int, int] | None:
+        """Per prefill rank the plan of its layers that land directly, the chunks staging the rest, and the
+        range taken for them (offset, slot count); None when the arena has no room for now."""
+        direct: Direct = {}
+        staged: list[tuple[int, tuple[StagedLayer, ...]]] = []
         for rank, layers in sources.items():
             conn = want.conns[rank]
             assert conn.record is not None
-            area = staging.get(rank)
-            tp = route_plan(conn.record.manifest, self.side.local.manifest, want.remote_ids, want.block_ids,
-                            want.num_tokens, layers,
-                            (self.side.local.staging_addr + area[0], area[1]) if area else None)
-            if area:
-                want.staged.append((area[0], area[1], tp))
-            plans.append((rank, conn, tp))
-        want.pending = {rank for rank, _, _ in plans}
-        for rank, conn, tp in plans:
+            src, key = conn.record.manifest, tuple(layers)
+            whole = self._route(want, src, layers, WHOLE if conn.stages.get(key, True) else None)
+            conn.stages[key] = bool(whole.staged)
+            if not whole.staged:
+                direct[rank] = whole
+                continue
+            names = {layer.layer_name for layer in whole.staged}
+            rest = [name for name in layers if name not in names]
+            direct[rank] = self._route(want, src, rest, None) if rest else None
+            staged.append((rank, whole.staged))
+        if not staged:
+            return direct, [], -1, 0
+        bound, slots = chunk_bound(self.side.local.arena.size, [x for _, of_rank in staged for x in of_rank])
+        chunks: list[Chunk] = []
+        for rank, of_rank in staged:
+            ids = {x.layer_name: want.remote_ids[self.side.spec.layer(x.layer_name).group_id] for x in of_rank}
+            chunks += split_staged(rank, of_rank, ids, bound)
+        slots = min(slots, len(chunks))
+        slot_bytes = max(c.nbytes for c in chunks)
+        offset = self.side.local.arena.take(_stride(slot_bytes) * (slots - 1) + slot_bytes)
+        if offset is None and slots > 1:  # other requests hold part of the buffer: one chunk at a time
+            slots, offset = 1, self.side.local.arena.take(slot_bytes)
+        return None if offset is None else (direct, chunks, offset, slots)
+
+    def _route(self, want: Want, src: Manifest, layers: list[str], staging: tuple[int, int] | None) -> TransferPlan:
+        return route_plan(src, self.side.local.manifest, want.remote_ids, want.block_ids, want.num_tokens, layers,
+                          staging)
+
+    def _start_reads(self, want: Want, direct: Direct, chunks: list[Chunk], offset: int, slots: int) -> None:
+        want.pending = set(direct)
+        pull = None
+        if chunks:
+            slot_bytes = max(c.nbytes for c in chunks)
+            pull = StagedPull(self.side, want, chunks, offset, [offset + i * _stride(slot_bytes) for i in range(slots)],
+                              slot_bytes, {rank for rank, tp in direct.items() if tp is not None}, self.relayouts)
+        for rank, tp in direct.items():
+            conn = want.conns[rank]
             assert conn.record is not None
-            self.side._mover.put(conn.record.handle, tp.plan, partial(self.side._moved, want, rank))
+            if tp is None:
+                continue
+            ended = partial(pull.direct_ended, rank) if pull is not None and rank in pull.ranks \
+                else partial(self.side._moved, want, rank)
+            self.side._mover.put(conn.record.handle, tp.plan, ended)
+        if pull is not None:
+            pull.pump()
 
     def _start_push(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]) -> None:
         for rank, layers in sources.items():

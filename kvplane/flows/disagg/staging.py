@@ -1,9 +1,10 @@
 """The staging arena: byte ranges of one registered destination buffer, lent to transfers that re-lay out.
 
 A transfer whose bytes cannot land directly (heterogeneous TP with token-major blocks, fused against split
-MLA) lands whole source blocks here, then ``plan.relayout`` copies them into the cache. Each such transfer
-takes one range for its lifetime; first fit over a sorted free list, ranges aligned to 64 bytes. Pure
-bookkeeping: the buffer itself belongs to ``LocalKV``.
+MLA) lands whole source blocks here, then ``plan.relayout`` copies them into the cache. Each such request
+takes one range for its lifetime: a pull one or two chunks' worth, reused chunk after chunk
+(``staged_pull``), a push the whole request. First fit over a sorted free list, ranges aligned to 64 bytes.
+Pure bookkeeping: the buffer itself belongs to ``LocalKV``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ class StagingArena:
                 f"a transfer must stage {nbytes} B but DisaggConfig.staging_bytes={self.size}; raise it to at "
                 f"least {nbytes}"
             )
-        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        aligned = -(-max(nbytes, 1) // ALIGN) * ALIGN
         for i, (offset, length) in enumerate(self._free):
-            if length >= need:
+            if length >= nbytes:  # less than ``aligned`` only for the buffer's unaligned tail: take all of it
+                need = min(aligned, length)
                 rest = (offset + need, length - need)
                 self._free[i : i + 1] = [rest] if rest[1] else []
                 self._taken[offset] = need

@@ -1,0 +1,161 @@
+"""One pull's staged READs, run chunk by chunk through one bounded staging range.
+
+``Starter`` makes a ``StagedPull`` for a request whose layers must be staged (``staging_chunks`` cut them into
+chunks) and hands it the range it took: one or two slots. Each free slot READs the next chunk on the side's
+transfer thread (``Mover``); once that READ ended, the chunk is re-laid out into the cache by a ``Relayouts``
+job, off the I/O loop, and the slot takes the next chunk. With two slots, one chunk is READ while the other
+is re-laid out. Re-layouts of all requests run one at a time on one thread: two of them may write the same
+destination blocks (a decode rank that takes heads from two prefill ranks), and each rewrites whole blocks.
+
+Each prefill rank's transfer ends (``DecodeSide._moved``) once all its parts did: its direct READ, if it has
+one, and every one of its chunks READ and re-laid out. A failure or a verdict on the request (an abort, a
+deadline) stops new chunks; the range goes back to the arena only once no READ into it and no re-layout from
+it is left, before the last rank ends (so before the request can be reported). The pull's state lives on
+the loop thread; only ``_relayout`` runs on the re-layout thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
+
+from kvplane.errors import KvplaneError
+from kvplane.flows.disagg.errors import DisaggError
+from kvplane.flows.disagg.records import Want
+from kvplane.flows.disagg.staging_chunks import Chunk
+from kvplane.plan.relayout import apply_relayout
+
+if TYPE_CHECKING:
+    from kvplane.flows.disagg.decode import DecodeSide
+
+logger = logging.getLogger("kvplane.disagg")
+
+
+class Relayouts:
+    """A thread that runs re-layout jobs in order: started when a job comes, and gone once none came for
+    ``LINGER_S`` (kept warm between chunks and requests: a fresh thread also starts a fresh OpenMP team)."""
+
+    LINGER_S = 5.0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._wake = threading.Condition()
+        self._running = False
+
+    def put(self, job: Callable[[], None]) -> None:
+        with self._wake:
+            self._jobs.append(job)
+            self._wake.notify()
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, name=self.name, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if not self._jobs:
+                    self._wake.wait(self.LINGER_S)
+                if not self._jobs:
+                    self._running = False
+                    return
+                job = self._jobs.popleft()
+            try:
+                job()
+            except Exception:  # a job reports its own errors; this is a bug, and the next job still runs
+                logger.exception("kvplane %s: a re-layout job failed; carrying on", self.name)
+
+
+class StagedPull:
+    def __init__(self, side: DecodeSide, want: Want, chunks: list[Chunk], offset: int, slots: list[int],
+                 slot_bytes: int, direct_ranks: set[int], relayouts: Relayouts) -> None:
+        self.side, self.want, self.relayouts = side, want, relayouts
+        self.offset, self.slot_bytes = offset, slot_bytes
+        self._queue = deque(chunks)
+        self._free = list(slots)  # absolute offsets in the staging buffer
+        self._busy = 0  # chunks being READ or re-laid out
+        self._parts: dict[int, int] = {}  # prefill rank -> its parts not yet ended
+        for chunk in chunks:
+            self._parts[chunk.rank] = self._parts.get(chunk.rank, 0) + 1
+        for rank in direct_ranks:
+            self._parts[rank] = self._parts.get(rank, 0) + 1
+        self._errors: dict[int, KvplaneError] = {}
+        self.staged_bytes = sum(c.nbytes for c in chunks)
+
+    @property
+    def ranks(self) -> set[int]:
+        return set(self._parts)
+
+    def pump(self) -> None:
+        """Give each free slot its next chunk; drop the rest once the request has a verdict or a part failed."""
+        if self._errors or self.want.machine.verdict is not None:
+            ended = []
+            while self._queue:
+                ended += self._part_done(self._queue.popleft().rank)
+            self._end(ended)
+            return
+        while self._free and self._queue:
+            chunk, slot = self._queue.popleft(), self._free.pop()
+            self._busy += 1
+            record = self.want.conns[chunk.rank].record
+            assert record is not None  # every rank handshook before the request started
+            plan = chunk.plan_at(self.side.local.staging_addr + slot)
+            self.side._mover.put(record.handle, plan, partial(self._read, chunk, slot))
+
+    def direct_ended(self, rank: int, error: KvplaneError | None) -> None:
+        """Rank ``rank``'s direct READ ended (on the loop)."""
+        if error is not None:
+            self._errors.setdefault(rank, error)
+        self._end(self._part_done(rank))
+        self.pump()
+
+    def _read(self, chunk: Chunk, slot: int, error: KvplaneError | None) -> None:  # on the loop
+        if error is not None:
+            self._errors.setdefault(chunk.rank, error)
+            self._chunk_done(chunk, slot)
+            return
+        self.relayouts.put(lambda: self._relayout(chunk, slot))
+
+    def _relayout(self, chunk: Chunk, slot: int) -> None:  # on the re-layout thread
+        error: KvplaneError | None = None
+        try:
+            staging = self.side.local.staging
+            assert staging is not None  # a range was taken from it
+            area = staging[slot : slot + self.slot_bytes]
+            for staged in chunk.staged:
+                layer = self.side.spec.layer(staged.layer_name)
+                apply_relayout(staged, area, layer, self.side.local.layouts[layer.family],
+                               self.side.kv_caches[staged.layer_name])
+            self.side.backend.synchronize()
+        except Exception as e:  # a re-layout that fails leaves the blocks untrustworthy
+            error = DisaggError(f"re-layout of staged blocks failed: {e!r}")
+        self.side._loop.submit(lambda: self._relaid(chunk, slot, error))
+
+    def _relaid(self, chunk: Chunk, slot: int, error: KvplaneError | None) -> None:  # on the loop
+        if error is not None:
+            self._errors.setdefault(chunk.rank, error)
+        self._chunk_done(chunk, slot)
+
+    def _chunk_done(self, chunk: Chunk, slot: int) -> None:
+        self._busy -= 1
+        self._free.append(slot)
+        ended = self._part_done(chunk.rank)
+        self._end(ended)
+        self.pump()
+
+    def _part_done(self, rank: int) -> list[int]:
+        self._parts[rank] -= 1
+        return [rank] if self._parts[rank] == 0 else []
+
+    def _end(self, ranks: list[int]) -> None:
+        """Report ranks whose parts all ended; the range goes back first once nothing uses it any more."""
+        if not self._queue and not self._busy and self.offset >= 0:
+            self.side.local.arena.give(self.offset)
+            self.offset = -1
+        for rank in ranks:
+            self.side._moved(self.want, rank, self._errors.get(rank))

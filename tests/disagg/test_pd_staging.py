@@ -1,0 +1,135 @@
+"""Staged pulls in bounded chunks, between real sides in this process (Mooncake and NIXL on 127.0.0.1).
+
+Fused against split MLA stages every layer: whole source blocks land in the decode's staging buffer and are
+re-laid out into its cache. A pull several times larger than ``DisaggConfig.staging_bytes`` must still land
+every byte, chunk by chunk through that buffer; a buffer smaller than one source block is refused naming the
+field, its value and the minimum. A push still stages the whole request (its protocol has no per-chunk flow
+control), so a push larger than the buffer is refused the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kvref import canonical
+from pair import Engine, make, push_params, token_for
+
+from kvplane.kv.spec import KVSpec
+
+ENGINES = ("mooncake", "nixl")
+TOKENS = 200
+RANK, ROPE = 64, 16
+
+
+def mla(block: int) -> KVSpec:
+    return KVSpec.mla(4, kv_lora_rank=RANK, rope_dim=ROPE, dtype="float32", tokens_per_block=block)
+
+
+def source_block_bytes(block: int) -> int:
+    """One source block of one layer: ``block`` tokens of kv_c + k_pe, float32 (fused or split alike)."""
+    return block * (RANK + ROPE) * 4
+
+
+def landed(spec: KVSpec, decode: Engine, d_ids: list[int], prefill: Engine, p_ids: list[int], tokens: int) -> bool:
+    """Every layer's tokens equal on both sides, compared as bits (the seeded pattern holds NaNs as floats)."""
+    for layer in spec.layers:
+        got = canonical(decode.layout, decode.cache[layer.name], np.asarray(d_ids), tokens, layer)
+        want = canonical(prefill.layout, prefill.cache[layer.name], np.asarray(p_ids), tokens, layer)
+        for slot in want:
+            if not torch.equal(got[slot].contiguous().view(torch.int32), want[slot].contiguous().view(torch.int32)):
+                return False
+    return True
+
+
+CASES = {  # (prefill layout, block), (decode layout, block)
+    "fused-to-split": (("mla_fused", 16), ("mla_split", 16)),
+    "split-to-fused": (("mla_split", 16), ("mla_fused", 16)),
+    "fused16-to-split32": (("mla_fused", 16), ("mla_split", 32)),  # chunks end inside a decode block
+    "split32-to-fused16": (("mla_split", 32), ("mla_fused", 16)),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_pull_many_times_larger_than_staging_bytes_lands_every_byte(case: str, engine: str) -> None:
+    (p_layout, p_block), (d_layout, d_block) = CASES[case]
+    p_spec, d_spec = mla(p_block), mla(d_block)
+    staging = 3 * source_block_bytes(p_block)  # the request stages 4 layers x 7-13 blocks: 9-17x this
+    prefill = make("prefill", p_spec, p_layout, seed=7, engine=engine)
+    decode = make("decode", d_spec, d_layout, engine=engine, staging_bytes=staging)
+    try:
+        tables = {}
+        for request in ("r1", "r2", "r3"):  # started at once: they queue for the buffer, each reuses its range
+            p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+            tables[request] = p_ids, d_ids
+            decode.side.start_pull(request, prefill.side.request_finished(request, p_ids, TOKENS), d_ids)
+        for request, (p_ids, d_ids) in tables.items():
+            done = decode.wait(request)
+            assert done.state == "done", done.reason
+            assert landed(d_spec, decode, d_ids, prefill, p_ids, TOKENS)
+            assert prefill.wait(request).state == "done"
+        assert decode.side.local.arena.in_use == 0
+        assert prefill.side.held_requests() == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_staging_smaller_than_one_source_block_is_refused_naming_the_minimum(engine: str) -> None:
+    prefill = make("prefill", mla(16), "mla_fused", seed=3, engine=engine)
+    decode = make("decode", mla(16), "mla_split", engine=engine, staging_bytes=1000)
+    try:
+        p_ids = prefill.allocate(40)
+        decode.side.start_pull("r", prefill.side.request_finished("r", p_ids, 40), decode.allocate(40))
+        done = decode.wait("r")
+        assert done.state == "failed"
+        assert "DisaggConfig.staging_bytes=1000" in done.reason
+        assert f"at least {source_block_bytes(16)}" in done.reason
+        assert prefill.wait("r").state == "failed"  # told at once (ReadDone not ok), not after the lease
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_push_larger_than_staging_bytes_is_refused_saying_a_push_stages_the_whole_request() -> None:
+    prefill = make("prefill", mla(16), "mla_fused", seed=3, mode="push")
+    decode = make("decode", mla(16), "mla_split", mode="push", staging_bytes=3 * source_block_bytes(16))
+    try:
+        params = push_params(prefill.side.base_port, "r", prefill.side.config.engine_id)
+        decode.side.register_push("r", params, decode.allocate(TOKENS), TOKENS)
+        prefill.side.request_finished("r", prefill.allocate(TOKENS), TOKENS, token=token_for("r"))
+        done = decode.wait("r")
+        need = 4 * -(-TOKENS // 16) * source_block_bytes(16)
+        assert done.state == "failed"
+        assert "push" in done.reason and "DisaggConfig.staging_bytes" in done.reason
+        assert f"at least {need}" in done.reason
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_abort_during_a_chunked_pull_stops_it_and_gives_the_staging_range_back(engine: str) -> None:
+    """Aborted right after it starts (however far its chunks got), the request is reported once, the prefill is
+    told, the range goes back, and the next pull through the same buffer lands every byte."""
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", num_blocks=160, seed=9, engine=engine)
+    decode = make("decode", spec, "mla_split", num_blocks=160, engine=engine,
+                  staging_bytes=2 * source_block_bytes(16))
+    try:
+        tokens = 1000  # 63 blocks x 4 layers: 252 chunks of one block, two in flight
+        p_ids, d_ids = prefill.allocate(tokens), decode.allocate(tokens)
+        decode.side.start_pull("big", prefill.side.request_finished("big", p_ids, tokens), d_ids)
+        decode.side.abort("big")
+        assert decode.wait("big").state in ("failed", "done")  # "done" only if every chunk beat the abort
+        prefill.wait("big")
+        assert decode.side.local.arena.in_use == 0
+        p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+        decode.side.start_pull("next", prefill.side.request_finished("next", p_ids, TOKENS), d_ids)
+        assert decode.wait("next").state == "done"
+        assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
+    finally:
+        decode.close()
+        prefill.close()
