@@ -45,7 +45,21 @@ INSTALL_HINT = (
     "never both, they install the same module"
 )
 TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"  # Mooncake's own bound on a blocking status call, seconds, at least 5
+FORCE_TCP_ENV = "MC_FORCE_TCP"  # Mooncake installs TCP only when set, whatever protocol initialize() is given
 logger = logging.getLogger("kvplane.transports")
+
+
+@contextmanager
+def _env_default(name: str, value: str | None) -> Iterator[None]:
+    """``$name`` set to ``value`` for the block unless the user set it (or value is None); removed after."""
+    own = value is not None and name not in os.environ
+    if own:
+        os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        if own:
+            os.environ.pop(name, None)
 
 
 def _import_engine() -> Any:
@@ -98,17 +112,14 @@ class MooncakeTransport(Transport):
         return True, _version()
 
     def _start_engine(self) -> Any:
-        # Mooncake reads its status timeout once, in the engine's constructor: tie it to ours unless set.
-        own_timeout = TIMEOUT_ENV not in os.environ
-        if own_timeout:
-            os.environ[TIMEOUT_ENV] = str(max(5, math.ceil(self.config.timeout_s)))
-        try:
-            engine = self._mc.TransferEngine()
-        finally:
-            if own_timeout:
-                os.environ.pop(TIMEOUT_ENV, None)
         protocol = self.config.protocol or self.backend.mooncake_protocol
-        rc = engine.initialize(self.config.host, "P2PHANDSHAKE", protocol, self.config.device_name)
+        # Mooncake reads its status timeout once, in the engine's constructor: tie it to ours unless set.
+        with _env_default(TIMEOUT_ENV, str(max(5, math.ceil(self.config.timeout_s)))):
+            engine = self._mc.TransferEngine()
+        # initialize() does not install the protocol it is given: it discovers the topology and installs RDMA
+        # when it finds RDMA NICs; only MC_FORCE_TCP makes it TCP (docs/deploy.md, Transport options)
+        with _env_default(FORCE_TCP_ENV, "1" if protocol == "tcp" else None):
+            rc = engine.initialize(self.config.host, "P2PHANDSHAKE", protocol, self.config.device_name)
         if rc != 0:
             raise TransportError(
                 f"mooncake initialize(host={self.config.host!r}, protocol={protocol!r}) returned {rc}; "
