@@ -259,6 +259,44 @@ def test_a_restarted_prefill_is_handshaken_again_and_old_parameters_fail_cleanly
         decode.close()
 
 
+def test_parameters_of_an_old_prefill_lifetime_fail_as_restarted_without_disturbing_a_push_in_flight() -> None:
+    """A request naming the prefill's previous lifetime makes the decode handshake again on the connection it
+    has, not on a second one: the prefill refuses a second connection under a decode's name while the first
+    lives, so that request failed with "a second connection ... is refused" whenever the first connection was
+    still open (held by a request in flight here; in the restart test above, a garbage-collected socket whose
+    close raced the new handshake), and the request in flight lost its replies on the forsaken socket."""
+    spec = small_spec()
+    first = make("prefill", spec, seed=11)
+    decode = make("decode", spec)
+    port = first.side.port
+    try:
+        old = first.side.request_finished("a", first.allocate(32), 32)
+        decode.side.start_pull("a", old, decode.allocate(32))
+        assert decode.wait("a").state == "done"
+        first.close()
+        second = make("prefill", spec, seed=12, port=port, engine_id=old.remote_engine_id)
+        try:
+            new = second.side.request_finished("b", second.allocate(48), 48)
+            decode.side.start_pull("b", new, decode.allocate(48))
+            assert decode.wait("b").state == "done"
+            ids_x = decode.allocate(32)  # a push to the restarted rank, waiting for its prefill to finish it
+            decode.side.register_push("x", push_params(port, "x", old.remote_engine_id), ids_x, 32)
+            stale = msgspec.structs.replace(old, remote_request_id="a2")
+            decode.side.start_pull("c", stale, decode.allocate(32))
+            done = decode.wait("c")
+            assert done.state == "failed" and "restarted" in done.reason, done.reason
+            table_x = second.allocate(32)
+            second.side.request_finished("x", table_x, 32, token=token_for("x"))
+            assert decode.wait("x").state == "done"
+            assert digest(spec, decode.cache, "packed_kv", {0: ids_x}, 32) == \
+                digest(spec, second.cache, "packed_kv", {0: table_x}, 32)
+            assert second.wait("x").state == "done"
+        finally:
+            second.close()
+    finally:
+        decode.close()
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_an_abort_during_a_pull_holds_the_blocks_until_the_read_has_drained(engine: str) -> None:
     prefill = make("prefill", BIG, num_blocks=BIG_BLOCKS, seed=9, engine=engine)
