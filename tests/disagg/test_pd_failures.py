@@ -5,6 +5,7 @@ a bound, with every block back in its engine's pool.
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -480,5 +481,47 @@ def test_a_push_the_decode_cannot_plan_frees_the_prefill_blocks_before_the_lease
         assert ended.state == "failed" and "could not plan" in ended.reason
         assert prefill.side.held_requests() == 0
     finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("order", ["handed_first", "registered_first"])
+@pytest.mark.parametrize("ends", ["push_deadline", "handshake_timeout"])
+def test_a_push_given_up_while_a_prefill_rank_never_answers_frees_the_ranks_that_did_at_once(
+        ends: str, order: str) -> None:
+    """A push to a TP-2 prefill instance whose rank 1 never answers the handshake (a silent listener on its
+    port) ends before it is registered, either at push_timeout_s ("timed_out") or when the handshake with rank
+    1 times out ("failed"). Rank 0 handshook, holds the request's blocks and must free them at once, on the
+    decode's Cancel (DecodeSide._give_up_push), not after its 60 s lease (the poll gives up at 20 s)."""
+    spec = small_spec()
+    timeouts = {"push_timeout_s": 4.0, "handshake_timeout_s": 60.0} if ends == "push_deadline" else \
+        {"push_timeout_s": 60.0, "handshake_timeout_s": 4.0}  # rank 0 handshakes well within 4 s, as in FAST
+    prefill = make("prefill", spec, seed=5, lease_s=60.0, push_timeout_s=60.0, mode="push")
+    decode = make("decode", spec, mode="push", **timeouts)
+    silent = socket.socket()
+    try:
+        try:
+            silent.bind(("127.0.0.1", prefill.side.base_port + 1))  # where rank 1 would listen
+            silent.listen()
+        except OSError:  # someone else holds it: it answers no kvplane handshake either
+            pass
+        params = push_params(prefill.side.base_port, "r", prefill.side.config.engine_id, tp=2)
+        ids = prefill.allocate(40)
+        if order == "handed_first":
+            prefill.side.request_finished("r", ids, 40, token=token_for("r"))
+        decode.side.register_push("r", params, decode.allocate(40), 40)
+        done = decode.wait("r")
+        expected = ("timed_out", "did not start before the deadline") if ends == "push_deadline" else \
+            ("failed", "handshake with prefill rank 1")
+        assert (done.state, expected[1] in done.reason) == (expected[0], True), done.reason
+        assert not prefill.side.push_registered("r")  # given up before any registration
+        if order == "registered_first":
+            time.sleep(0.2)  # the decode's word may come before the engine hands the request over
+            prefill.side.request_finished("r", ids, 40, token=token_for("r"))
+        ended = prefill.wait("r", 20.0)
+        assert ended.state == "failed", ended.reason
+        assert prefill.side.held_requests() == 0
+    finally:
+        silent.close()
         decode.close()
         prefill.close()

@@ -236,6 +236,8 @@ class DecodeSide(SideLifecycle):
             return
         failed = [c for c in want.conns if c.state == "failed"]
         if failed:
+            if want.mode == "push":
+                self._give_up_push(want)  # the ranks that did handshake hold the request: free it there now
             self._complete(want, "failed", f"handshake with prefill rank {failed[0].rank} at "
                                            f"{failed[0].host}:{failed[0].port} failed: {failed[0].error}")
             return
