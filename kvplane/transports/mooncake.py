@@ -4,11 +4,12 @@ Flows create it through the transport registry; a peer reaches this rank by ``Pe
 ``"host:rpc_port"``. Mooncake's ``initialize`` installs RDMA wherever its topology discovery finds RDMA NICs,
 whatever protocol it is given, so ``tcp`` is asked for with ``MC_FORCE_TCP=1`` around it.
 
-Mooncake's Python binding has no non-blocking batch status (``get_batch_transfer_status`` blocks until the
-batch ends or Mooncake's own timeout), so each submitted plan runs on a worker thread: chunks of at most ``max_batch`` descriptors (Mooncake's tcp transport refuses more than 1024 queued per peer),
-one chunk per peer at a time, each retried with back-off. ``notify`` rides on the last chunk
-(``batch_transfer_sync`` with a ``TransferNotify``), which Mooncake posts to the peer only once that batch has
-completed, and the last chunk starts only after every earlier one completed.
+Mooncake's Python binding has no non-blocking batch status (``get_batch_transfer_status`` blocks until the batch
+ends or Mooncake's own timeout), so each submitted plan runs on a worker thread: chunks of at most ``max_batch``
+descriptors (Mooncake's tcp transport refuses more than 1024 queued per peer), one chunk per peer at a time, each
+retried with back-off. ``notify`` rides on the last chunk (``batch_transfer_sync`` with a ``TransferNotify``),
+which Mooncake posts to the peer only once that batch has completed, and the last chunk starts only after every
+earlier one completed.
 
 ``reset`` is the fence for batches Mooncake may still move after their status call gave up: it waits for the
 engine calls in flight to return (bounded by Mooncake's own timeout), destroys the engine (its TCP sessions
