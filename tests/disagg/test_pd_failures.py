@@ -5,6 +5,7 @@ a bound, with every block back in its engine's pool.
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 import uuid
@@ -50,6 +51,21 @@ def wait_until(predicate: object, within_s: float, what: str) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"{what} did not happen within {within_s} s")
         time.sleep(0.001)
+
+
+def port_below_ephemeral_range() -> int:
+    """A free port for a prefill that restarts on it. Not one the kernel hands out as a connection's source port:
+    between the close and the restart, any outbound connection on the host (the decode's own reconnects
+    included) could take such a port, and the restarted prefill could not bind it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(1024, low - 8000), low), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError(f"no free port in {max(1024, low - 8000)}..{low - 1}")
 
 
 def big_config(role: str, engine: str, **extra: object) -> dict[str, object]:
@@ -231,9 +247,9 @@ def test_malformed_oversized_and_unknown_messages_are_dropped_and_the_listener_k
 
 def test_a_restarted_prefill_is_handshaken_again_and_old_parameters_fail_cleanly() -> None:
     spec = small_spec()
-    first = make("prefill", spec, seed=11)
+    port = port_below_ephemeral_range()
+    first = make("prefill", spec, seed=11, port=port)
     decode = make("decode", spec)
-    port = first.side.port
     try:
         old = first.side.request_finished("a", first.allocate(32), 32)
         ids = decode.allocate(32)
@@ -267,9 +283,9 @@ def test_parameters_of_an_old_prefill_lifetime_fail_as_restarted_without_disturb
     still open (held by a request in flight here; in the restart test above, a garbage-collected socket whose
     close raced the new handshake), and the request in flight lost its replies on the forsaken socket."""
     spec = small_spec()
-    first = make("prefill", spec, seed=11)
+    port = port_below_ephemeral_range()
+    first = make("prefill", spec, seed=11, port=port)
     decode = make("decode", spec)
-    port = first.side.port
     try:
         old = first.side.request_finished("a", first.allocate(32), 32)
         decode.side.start_pull("a", old, decode.allocate(32))
