@@ -9,7 +9,6 @@ the side channel is authenticated (CURVE), and the offload tiers' sizes. The vLL
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Collection
 from typing import Any
 
@@ -34,10 +33,10 @@ def _protocol(side: Any) -> str:
 
 
 def _side(role: str, side: Any) -> str:
-    from kvplane.flows.disagg.auth import SECRET_ENV
+    from kvplane.flows.disagg.auth import secret_key
 
     c = side.config
-    auth = "on" if (c.curve_secret_key or os.environ.get(SECRET_ENV)) else "off"
+    auth = "on" if secret_key(c)[0] else "off"
     port = getattr(side, "port", None)
     where = f"{c.host}:{port}" if port else f"{c.host} (connects out)"
     return (f"{role} mode={c.mode} rank={c.rank}/{c.tp_size} transport={side.local.transport.name} "

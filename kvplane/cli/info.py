@@ -64,7 +64,7 @@ def _backends() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return backends, selected
 
 
-def collect(config: str | None = None, tp_size: int = 1, dp_size: int = 1) -> dict[str, Any]:
+def collect(config: str | None = None, tp_size: int = 1, dp_size: int = 1, role: str | None = None) -> dict[str, Any]:
     import torch
 
     backends, selected = _backends()
@@ -83,7 +83,7 @@ def collect(config: str | None = None, tp_size: int = 1, dp_size: int = 1) -> di
         "nics": system.nics(),
         "rdma_devices": system.rdma_devices(),
         "environment": system.environment(),
-        "side_channel": sidechannel.report(config, tp_size, dp_size),
+        "side_channel": sidechannel.report(config, tp_size, dp_size, role=role),
     }
 
 
@@ -130,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=_positive, default=1, metavar="N", help="tensor-parallel size (default 1)")
     parser.add_argument("--dp", type=_positive, default=1, metavar="N",
                         help="data-parallel ranks on this host (default 1)")
+    parser.add_argument("--role", choices=sorted(sidechannel.SIDES),
+                        help="which side's authentication to check (default: the config's kv_role, else both)")
 
 
 def _positive(text: str) -> int:
@@ -140,7 +142,7 @@ def _positive(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report; 2 when ``$KVPLANE_DEVICE`` names no usable backend (the report says which are)."""
-    data = collect(args.config, args.tp, args.dp)
+    data = collect(args.config, args.tp, args.dp, args.role)
     print(json.dumps(data, indent=2) if args.json else render(data))
     if os.environ.get(ENV_VAR) and data["selected"]["name"] is None:
         print(f"kvplane: error: {data['selected']['error']}", file=sys.stderr)

@@ -3,7 +3,8 @@ addresses, every (DP rank, TP rank) port, the transport options, and the environ
 
 The config is ``kv_connector_extra_config`` (or a whole ``--kv-transfer-config`` holding one), as a path or
 inline JSON; without one, the connector's defaults with the environment's overrides. It is checked exactly as
-the connector checks it, so a config that vLLM would refuse is reported with the same error.
+the connector checks it, and its authentication as each side checks it when it starts (``auth.check``, for the
+config's ``kv_role`` or ``--role``), so a config that vLLM or a side would refuse is reported with the same error.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 from kvplane.cli.system import redact
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.addresses import env_used
-from kvplane.flows.disagg.auth import SECRET_ENV
+from kvplane.flows.disagg.auth import CurveKeys, Role, check
+from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.errors import DisaggConfigError
 from kvplane.integrations.vllm.config import ConnectorConfig
 
 ENGINE_PORTS = (
@@ -27,10 +30,15 @@ ENGINE_PORTS = (
 )
 
 
-def load_extra(source: str | None) -> dict[str, Any]:
-    """``kv_connector_extra_config`` from a path or inline JSON ({} for none)."""
+SIDES: dict[str, tuple[Role, ...]] = {"prefill": ("prefill",), "decode": ("decode",), "both": ("prefill", "decode")}
+KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
+
+def load(source: str | None) -> tuple[dict[str, Any], str | None]:
+    """``kv_connector_extra_config`` from a path or inline JSON ({} for none), and the ``kv_role`` of a whole
+    ``--kv-transfer-config`` (None when the source is the extra config alone)."""
     if not source:
-        return {"disagg": {}}
+        return {"disagg": {}}, None
     text = Path(source).read_text() if not source.lstrip().startswith("{") else source
     try:
         raw = json.loads(text)
@@ -39,29 +47,40 @@ def load_extra(source: str | None) -> dict[str, Any]:
     if not isinstance(raw, Mapping):
         raise KvplaneError(f"--config holds {type(raw).__name__}, not an object of kv_connector_extra_config keys")
     extra = raw.get("kv_connector_extra_config", raw)
-    return dict(extra) if isinstance(extra, Mapping) else {}
+    role = raw.get("kv_role") if "kv_connector_extra_config" in raw else None
+    return (dict(extra) if isinstance(extra, Mapping) else {}), (str(role) if role is not None else None)
 
 
-def report(source: str | None, tp_size: int, dp_size: int, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The side channel of an instance with ``dp_size`` DP ranks of ``tp_size`` TP ranks on one host."""
+def report(source: str | None, tp_size: int, dp_size: int, env: Mapping[str, str] | None = None,
+           role: str | None = None) -> dict[str, Any]:
+    """The side channel of an instance with ``dp_size`` DP ranks of ``tp_size`` TP ranks on one host, checked for
+    ``role`` (``prefill``, ``decode`` or ``both``; None: the config's ``kv_role``, else both) as the sides check
+    it when they start (``auth.check``)."""
     env = os.environ if env is None else env
     shown = "(inline JSON)" if source and source.lstrip().startswith("{") else source  # may hold a secret key
     out: dict[str, Any] = {"config": shown or "(defaults)", "tp_size": tp_size, "dp_size": dp_size,
                            "overrides": env_used(env)}
     try:
-        extra = load_extra(source)
+        extra, kv_role = load(source)
+        given = role is not None or kv_role is not None
+        if role is None:
+            role = KV_ROLES.get(kv_role or "kv_both", "both")
+        out["role"] = role
         if "disagg" not in extra:
             out["error"] = "the config has no 'disagg' section: this instance opens no side channel"
             return out
         out["disagg"] = redact(extra["disagg"])  # as written, secret keys hidden
         ports = []
         first = None
+        keys = None
         for d in range(dp_size):
             config = ConnectorConfig.from_extra(extra, role="kv_both", engine_id="info", tp_size=tp_size,
                                                 dp_rank=d, env=env)
             for r in range(tp_size):
                 rank = config.disagg_for(r)
                 first = first or rank
+                for side in SIDES[role]:
+                    keys = _check_auth(rank, side, env, role_given=given)
                 ports.append({"dp_rank": d, "tp_rank": r, "port": rank.rank_port()})
     except (KvplaneError, ValueError, OSError) as e:
         out["error"] = str(e)
@@ -75,10 +94,20 @@ def report(source: str | None, tp_size: int, dp_size: int, env: Mapping[str, str
         "mooncake_protocol": first.protocol or "(the backend's)",
         "mooncake_device_name": first.device_name or "(discover)",
         "nixl_backends": list(first.nixl_backends),
-        "authenticated": bool(first.curve_secret_key or env.get(SECRET_ENV)),
+        "authenticated": keys is not None,
         "engine_ports": ENGINE_PORTS,
     })
     return out
+
+
+def _check_auth(rank: DisaggConfig, side: Role, env: Mapping[str, str], *, role_given: bool) -> CurveKeys | None:
+    """``auth.check``, the sides' own rule; a refusal says which side refused and how to check another role."""
+    try:
+        return check(rank, side, env)
+    except DisaggConfigError as e:
+        hint = "" if role_given else " (checked as a kv_both instance: pass --role prefill or decode, or a config " \
+                                     "with kv_role)"
+        raise DisaggConfigError(f"the {side} side would refuse to start: {e}{hint}") from e
 
 
 def render(side: dict[str, Any]) -> list[str]:

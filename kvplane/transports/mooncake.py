@@ -1,12 +1,15 @@
 """Mooncake Transfer Engine transport: P2P handshake (no etcd), the backend's protocol (tcp, rdma, ascend).
 
 Flows create it through the transport registry; a peer reaches this rank by ``PeerInfo.name`` =
-``"host:rpc_port"``. Mooncake's Python binding has no non-blocking batch status (``get_batch_transfer_status``
-blocks until the batch ends or Mooncake's own timeout), so each submitted plan runs on a worker thread:
-chunks of at most ``max_batch`` descriptors (Mooncake's tcp transport refuses more than 1024 queued per peer),
-one chunk per peer at a time, each retried with back-off. ``notify`` rides on the last chunk
-(``batch_transfer_sync`` with a ``TransferNotify``), which Mooncake posts to the peer only once that batch has
-completed, and the last chunk starts only after every earlier one completed.
+``"host:rpc_port"``. Mooncake's ``initialize`` installs RDMA wherever its topology discovery finds RDMA NICs,
+whatever protocol it is given, so ``tcp`` is asked for with ``MC_FORCE_TCP=1`` around it.
+
+Mooncake's Python binding has no non-blocking batch status (``get_batch_transfer_status`` blocks until the batch
+ends or Mooncake's own timeout), so each submitted plan runs on a worker thread: chunks of at most ``max_batch``
+descriptors (Mooncake's tcp transport refuses more than 1024 queued per peer), one chunk per peer at a time, each
+retried with back-off. ``notify`` rides on the last chunk (``batch_transfer_sync`` with a ``TransferNotify``),
+which Mooncake posts to the peer only once that batch has completed, and the last chunk starts only after every
+earlier one completed.
 
 ``reset`` is the fence for batches Mooncake may still move after their status call gave up: it waits for the
 engine calls in flight to return (bounded by Mooncake's own timeout), destroys the engine (its TCP sessions
@@ -45,7 +48,21 @@ INSTALL_HINT = (
     "never both, they install the same module"
 )
 TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"  # Mooncake's own bound on a blocking status call, seconds, at least 5
+FORCE_TCP_ENV = "MC_FORCE_TCP"  # Mooncake installs TCP only when set, whatever protocol initialize() is given
 logger = logging.getLogger("kvplane.transports")
+
+
+@contextmanager
+def _env_default(name: str, value: str | None) -> Iterator[None]:
+    """``$name`` set to ``value`` for the block unless the user set it (or value is None); removed after."""
+    own = value is not None and name not in os.environ
+    if own:
+        os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        if own:
+            os.environ.pop(name, None)
 
 
 def _import_engine() -> Any:
@@ -98,17 +115,14 @@ class MooncakeTransport(Transport):
         return True, _version()
 
     def _start_engine(self) -> Any:
-        # Mooncake reads its status timeout once, in the engine's constructor: tie it to ours unless set.
-        own_timeout = TIMEOUT_ENV not in os.environ
-        if own_timeout:
-            os.environ[TIMEOUT_ENV] = str(max(5, math.ceil(self.config.timeout_s)))
-        try:
-            engine = self._mc.TransferEngine()
-        finally:
-            if own_timeout:
-                os.environ.pop(TIMEOUT_ENV, None)
         protocol = self.config.protocol or self.backend.mooncake_protocol
-        rc = engine.initialize(self.config.host, "P2PHANDSHAKE", protocol, self.config.device_name)
+        # Mooncake reads its status timeout once, in the engine's constructor: tie it to ours unless set.
+        with _env_default(TIMEOUT_ENV, str(max(5, math.ceil(self.config.timeout_s)))):
+            engine = self._mc.TransferEngine()
+        # initialize() does not install the protocol it is given: it discovers the topology and installs RDMA
+        # when it finds RDMA NICs; only MC_FORCE_TCP makes it TCP (docs/deploy.md, Transport options)
+        with _env_default(FORCE_TCP_ENV, "1" if protocol == "tcp" else None):
+            rc = engine.initialize(self.config.host, "P2PHANDSHAKE", protocol, self.config.device_name)
         if rc != 0:
             raise TransportError(
                 f"mooncake initialize(host={self.config.host!r}, protocol={protocol!r}) returned {rc}; "

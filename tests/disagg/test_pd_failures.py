@@ -5,6 +5,8 @@ a bound, with every block back in its engine's pool.
 
 from __future__ import annotations
 
+import random
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -49,6 +51,21 @@ def wait_until(predicate: object, within_s: float, what: str) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"{what} did not happen within {within_s} s")
         time.sleep(0.001)
+
+
+def port_below_ephemeral_range() -> int:
+    """A free port for a prefill that restarts on it. Not one the kernel hands out as a connection's source port:
+    between the close and the restart, any outbound connection on the host (the decode's own reconnects
+    included) could take such a port, and the restarted prefill could not bind it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(1024, low - 8000), low), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError(f"no free port in {max(1024, low - 8000)}..{low - 1}")
 
 
 def big_config(role: str, engine: str, **extra: object) -> dict[str, object]:
@@ -230,9 +247,9 @@ def test_malformed_oversized_and_unknown_messages_are_dropped_and_the_listener_k
 
 def test_a_restarted_prefill_is_handshaken_again_and_old_parameters_fail_cleanly() -> None:
     spec = small_spec()
-    first = make("prefill", spec, seed=11)
+    port = port_below_ephemeral_range()
+    first = make("prefill", spec, seed=11, port=port)
     decode = make("decode", spec)
-    port = first.side.port
     try:
         old = first.side.request_finished("a", first.allocate(32), 32)
         ids = decode.allocate(32)
@@ -253,6 +270,44 @@ def test_a_restarted_prefill_is_handshaken_again_and_old_parameters_fail_cleanly
             decode.side.start_pull("c", stale, ids_c)
             done = decode.wait("c")
             assert done.state == "failed" and "restarted" in done.reason
+        finally:
+            second.close()
+    finally:
+        decode.close()
+
+
+def test_parameters_of_an_old_prefill_lifetime_fail_as_restarted_without_disturbing_a_push_in_flight() -> None:
+    """A request naming the prefill's previous lifetime makes the decode handshake again on the connection it
+    has, not on a second one: the prefill refuses a second connection under a decode's name while the first
+    lives, so that request failed with "a second connection ... is refused" whenever the first connection was
+    still open (held by a request in flight here; in the restart test above, a garbage-collected socket whose
+    close raced the new handshake), and the request in flight lost its replies on the forsaken socket."""
+    spec = small_spec()
+    port = port_below_ephemeral_range()
+    first = make("prefill", spec, seed=11, port=port)
+    decode = make("decode", spec)
+    try:
+        old = first.side.request_finished("a", first.allocate(32), 32)
+        decode.side.start_pull("a", old, decode.allocate(32))
+        assert decode.wait("a").state == "done"
+        first.close()
+        second = make("prefill", spec, seed=12, port=port, engine_id=old.remote_engine_id)
+        try:
+            new = second.side.request_finished("b", second.allocate(48), 48)
+            decode.side.start_pull("b", new, decode.allocate(48))
+            assert decode.wait("b").state == "done"
+            ids_x = decode.allocate(32)  # a push to the restarted rank, waiting for its prefill to finish it
+            decode.side.register_push("x", push_params(port, "x", old.remote_engine_id), ids_x, 32)
+            stale = msgspec.structs.replace(old, remote_request_id="a2")
+            decode.side.start_pull("c", stale, decode.allocate(32))
+            done = decode.wait("c")
+            assert done.state == "failed" and "restarted" in done.reason, done.reason
+            table_x = second.allocate(32)
+            second.side.request_finished("x", table_x, 32, token=token_for("x"))
+            assert decode.wait("x").state == "done"
+            assert digest(spec, decode.cache, "packed_kv", {0: ids_x}, 32) == \
+                digest(spec, second.cache, "packed_kv", {0: table_x}, 32)
+            assert second.wait("x").state == "done"
         finally:
             second.close()
     finally:
@@ -442,5 +497,47 @@ def test_a_push_the_decode_cannot_plan_frees_the_prefill_blocks_before_the_lease
         assert ended.state == "failed" and "could not plan" in ended.reason
         assert prefill.side.held_requests() == 0
     finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("order", ["handed_first", "registered_first"])
+@pytest.mark.parametrize("ends", ["push_deadline", "handshake_timeout"])
+def test_a_push_given_up_while_a_prefill_rank_never_answers_frees_the_ranks_that_did_at_once(
+        ends: str, order: str) -> None:
+    """A push to a TP-2 prefill instance whose rank 1 never answers the handshake (a silent listener on its
+    port) ends before it is registered, either at push_timeout_s ("timed_out") or when the handshake with rank
+    1 times out ("failed"). Rank 0 handshook, holds the request's blocks and must free them at once, on the
+    decode's Cancel (DecodeSide._give_up_push), not after its 60 s lease (the poll gives up at 20 s)."""
+    spec = small_spec()
+    timeouts = {"push_timeout_s": 4.0, "handshake_timeout_s": 60.0} if ends == "push_deadline" else \
+        {"push_timeout_s": 60.0, "handshake_timeout_s": 4.0}  # rank 0 handshakes well within 4 s, as in FAST
+    prefill = make("prefill", spec, seed=5, lease_s=60.0, push_timeout_s=60.0, mode="push")
+    decode = make("decode", spec, mode="push", **timeouts)
+    silent = socket.socket()
+    try:
+        try:
+            silent.bind(("127.0.0.1", prefill.side.base_port + 1))  # where rank 1 would listen
+            silent.listen()
+        except OSError:  # someone else holds it: it answers no kvplane handshake either
+            pass
+        params = push_params(prefill.side.base_port, "r", prefill.side.config.engine_id, tp=2)
+        ids = prefill.allocate(40)
+        if order == "handed_first":
+            prefill.side.request_finished("r", ids, 40, token=token_for("r"))
+        decode.side.register_push("r", params, decode.allocate(40), 40)
+        done = decode.wait("r")
+        expected = ("timed_out", "did not start before the deadline") if ends == "push_deadline" else \
+            ("failed", "handshake with prefill rank 1")
+        assert (done.state, expected[1] in done.reason) == (expected[0], True), done.reason
+        assert not prefill.side.push_registered("r")  # given up before any registration
+        if order == "registered_first":
+            time.sleep(0.2)  # the decode's word may come before the engine hands the request over
+            prefill.side.request_finished("r", ids, 40, token=token_for("r"))
+        ended = prefill.wait("r", 20.0)
+        assert ended.state == "failed", ended.reason
+        assert prefill.side.held_requests() == 0
+    finally:
+        silent.close()
         decode.close()
         prefill.close()

@@ -48,7 +48,8 @@ def test_info_reports_versions_drivers_nics_and_the_engine_environment_with_secr
 
 @pytest.mark.integration
 def test_info_prints_the_side_channel_ports_of_every_dp_and_tp_rank_of_a_config() -> None:
-    config = json.dumps({"kv_connector_extra_config": {"disagg": {"port": 6000, "curve_secret_key": SECRET,
+    config = json.dumps({"kv_role": "kv_producer",
+                         "kv_connector_extra_config": {"disagg": {"port": 6000, "curve_secret_key": SECRET,
                                                                    "curve_allowed_clients": ["P" * 40]}}})
     proc = kvplane_info("--json", "--config", config, "--tp", "2", "--dp", "3")
     assert proc.returncode == 0 and SECRET not in proc.stdout, proc.stderr

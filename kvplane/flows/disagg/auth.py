@@ -4,8 +4,12 @@ allow-list of decode public keys checked through ``zmq.auth``.
 With keys, the prefill's ROUTER is a CURVE server that admits only the decode public keys in
 ``curve_allowed_clients``; each decode's DEALER is a CURVE client that knows the prefill's public key
 (``curve_server_key``), so both sides know whom they talk to and everything on the wire is encrypted. The
-secret key comes from ``curve_secret_key`` or the ``KVPLANE_CURVE_SECRET_KEY`` environment variable (for
-deployments that keep secrets out of config files). Keys are Z85 text, as ``zmq.curve_keypair()`` makes them.
+secret key comes from the ``KVPLANE_CURVE_SECRET_KEY`` environment variable when it is set (for deployments
+that keep secrets out of config files; it wins over the config, as every environment override does), else from
+``curve_secret_key``. Keys are Z85 text, as ``zmq.curve_keypair()`` makes them.
+
+``check`` is the one rule: the sides call it when they start (``curve_keys``), ``DisaggConfig`` calls its
+role-free part when it is built, and ``kvplane info`` calls it for the roles a config will run.
 
 Without keys the side channel is unauthenticated: allowed on a loopback address only (logged), or anywhere
 when ``allow_unauthenticated`` says so explicitly. The transfer engines are a separate matter: Mooncake TE's
@@ -16,11 +20,15 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import zmq
+from zmq.utils import z85
 
+from kvplane.config import invalid
 from kvplane.flows.disagg.errors import DisaggConfigError
 from kvplane.hosts import is_loopback
 
@@ -29,6 +37,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvplane.disagg")
 SECRET_ENV = "KVPLANE_CURVE_SECRET_KEY"
+KEYPAIR_FIX = "make a key pair with zmq.curve_keypair() (docs/deploy.md, CURVE keys)"
+Role = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True)
@@ -41,41 +51,73 @@ class CurveKeys:
 
 
 
-def _key(value: str, field: str) -> bytes:
+def secret_key(config: DisaggConfig, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The rank's secret key and where it came from: ``$KVPLANE_CURVE_SECRET_KEY`` when set (non-empty) wins over
+    ``curve_secret_key``, as every environment override wins over the config (``addresses.py``)."""
+    env = os.environ if env is None else env
+    from_env = env.get(SECRET_ENV, "").strip()
+    return (from_env, f"${SECRET_ENV}") if from_env else (config.curve_secret_key, "DisaggConfig.curve_secret_key")
+
+
+def _z85_key(value: str) -> bytes | None:
     raw = value.encode()
     if len(raw) != 40:
-        raise DisaggConfigError(f"DisaggConfig.{field}={value[:6]!r}... must be a 40-character Z85 CURVE key, "
-                                f"as zmq.curve_keypair() makes")
+        return None
+    try:
+        return raw if z85.encode(z85.decode(raw)) == raw else None
+    except (KeyError, ValueError, struct.error):  # a character outside Z85, or a group above 2**32
+        return None
+
+
+def _public_key(value: str, field: str) -> bytes:
+    raw = _z85_key(value)
+    if raw is None:
+        raise invalid(DisaggConfigError, "DisaggConfig", field, value, f"is not a 40-character Z85 CURVE public "
+                      f"key; {KEYPAIR_FIX}")
     return raw
 
 
-def curve_keys(config: DisaggConfig, role: str) -> CurveKeys | None:
-    """The rank's CURVE keys, or None when the side channel runs without (checked to be allowed then)."""
-    secret = config.curve_secret_key or os.environ.get(SECRET_ENV, "")
+def check(config: DisaggConfig, role: Role | None, env: Mapping[str, str] | None = None) -> CurveKeys | None:
+    """The rank's CURVE keys, or None when the side channel runs without (then allowed only on loopback or with
+    ``allow_unauthenticated``). The one rule: ``curve_keys`` (the sides), ``DisaggConfig`` (``role=None``: what
+    holds for every role) and ``kvplane info`` all call it. Raises ``DisaggConfigError`` naming the field (or
+    the variable) and the fix; a secret key is never printed."""
+    secret, source = secret_key(config, env)
     if not secret:
         if config.curve_server_key or config.curve_allowed_clients:
             raise DisaggConfigError(
-                f"DisaggConfig names CURVE peer keys but no secret key: set curve_secret_key or {SECRET_ENV}"
+                f"DisaggConfig names CURVE peer keys (curve_server_key / curve_allowed_clients) but no secret key: "
+                f"set curve_secret_key or {SECRET_ENV} to this rank's secret key"
             )
         if not is_loopback(config.listen_host) and not config.allow_unauthenticated:
-            raise DisaggConfigError(
-                f"DisaggConfig.bind_host/host={config.listen_host!r} is not a loopback address and no CURVE keys are set: anyone "
-                f"who reaches it could hold or end requests. Set curve_secret_key (or {SECRET_ENV}) with "
-                f"curve_server_key / curve_allowed_clients, or allow_unauthenticated=True to accept the risk"
-            )
-        logger.warning("kvplane %s rank %d: side channel on %s is unauthenticated (no CURVE keys)", role,
-                       config.rank, config.listen_host)
+            raise invalid(DisaggConfigError, "DisaggConfig", "bind_host" if config.bind_host else "host",
+                          config.listen_host, f"is not a loopback address and no CURVE keys are set: anyone who "
+                          f"reaches it could hold or end requests. Set curve_secret_key (or {SECRET_ENV}) with "
+                          f"curve_server_key / curve_allowed_clients, or allow_unauthenticated=True to accept the "
+                          f"risk")
         return None
-    secret_b = _key(secret, "curve_secret_key")
-    allowed = frozenset(_key(k, "curve_allowed_clients[]") for k in config.curve_allowed_clients)
+    secret_b = _z85_key(secret)
+    if secret_b is None:
+        raise DisaggConfigError(f"{source} ({len(secret)} characters, not shown) is not a 40-character Z85 CURVE "
+                                f"secret key; {KEYPAIR_FIX}")
+    allowed = frozenset(_public_key(k, "curve_allowed_clients[]") for k in config.curve_allowed_clients)
+    server = _public_key(config.curve_server_key, "curve_server_key") if config.curve_server_key else b""
     if role == "prefill" and not allowed:
         raise DisaggConfigError("DisaggConfig.curve_allowed_clients is empty: with CURVE keys a prefill rank "
-                                "admits only the decode public keys listed there")
-    if role == "decode" and not config.curve_server_key:
+                                "admits only the decode public keys listed there; list them")
+    if role == "decode" and not server:
         raise DisaggConfigError("DisaggConfig.curve_server_key is empty: with CURVE keys a decode rank needs "
-                                "the prefill instances' public key")
-    server = _key(config.curve_server_key, "curve_server_key") if config.curve_server_key else b""
+                                "the prefill instances' public key; set it")
     return CurveKeys(secret_b, zmq.curve_public(secret_b), server, allowed)
+
+
+def curve_keys(config: DisaggConfig, role: Role) -> CurveKeys | None:
+    """``check`` for a side that starts now (its environment), logging when it runs unauthenticated."""
+    keys = check(config, role)
+    if keys is None:
+        logger.warning("kvplane %s rank %d: side channel on %s is unauthenticated (no CURVE keys)", role,
+                       config.rank, config.listen_host)
+    return keys
 
 
 class _AllowList:

@@ -78,7 +78,7 @@ class DisaggConfig:
     staging_bytes: int = 64 * MiB  # destination buffer for transfers that must be re-laid out (decode)
     max_inflight: int = 8  # transfers in flight per peer; more wait their turn
     max_message_bytes: int = 64 * MiB
-    # side-channel authentication (auth.py): this rank's Z85 secret key (or $KVPLANE_CURVE_SECRET_KEY), the
+    # side-channel authentication (auth.py): this rank's Z85 secret key ($KVPLANE_CURVE_SECRET_KEY wins), the
     # prefill instances' public key (decode), the decode public keys admitted (prefill)
     curve_secret_key: str = ""
     curve_server_key: str = ""
@@ -145,16 +145,9 @@ class DisaggConfig:
                        f"names {unknown}, which the installed NIXL has no plugin for; choose from {list(installed)}")
 
     def _check_auth(self) -> None:
-        from kvplane.flows.disagg.auth import SECRET_ENV
-        from kvplane.hosts import is_loopback
+        from kvplane.flows.disagg.auth import check
 
-        if not (self.curve_secret_key or os.environ.get(SECRET_ENV)) and not is_loopback(self.listen_host) \
-                and not self.allow_unauthenticated:
-            field = "bind_host" if self.bind_host else "host"
-            raise _bad(field, self.listen_host,
-                       f"is not a loopback address and no CURVE keys are set: anyone who reaches it could hold or "
-                       f"end requests. Set curve_secret_key (or {SECRET_ENV}) with curve_server_key / "
-                       f"curve_allowed_clients, or allow_unauthenticated=True to accept the risk")
+        check(self, None)  # what holds for every role; each side checks its own role when it starts
 
     @property
     def listen_host(self) -> str:

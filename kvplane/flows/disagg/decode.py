@@ -211,12 +211,14 @@ class DecodeSide(SideLifecycle):
         lifetime differs from the one a request names (it restarted)."""
         conn = self._conns.get((host, port))
         hello = self.local.handshake()  # made again (and the engine started again) after a reset
-        if conn is not None and conn.state == "ready" and \
-                (conn.stale or conn.generation != self.local.transport.generation):
-            self._rehandshake(conn)
-        stale = conn is not None and conn.state == "ready" and boot_id and conn.record is not None \
+        other_lifetime = conn is not None and conn.state == "ready" and boot_id and conn.record is not None \
             and conn.record.boot_id != boot_id
-        if conn is None or conn.state == "failed" or stale:
+        # again on the same socket: the prefill takes a second connection under our name only once the first is
+        # gone (a close races the new handshake), and replacing our record fails our requests in flight there
+        if conn is not None and conn.state == "ready" and \
+                (conn.stale or conn.generation != self.local.transport.generation or other_lifetime):
+            self._rehandshake(conn)
+        if conn is None or conn.state == "failed":
             if conn is not None:
                 self._loop.unwatch(conn.socket)
             sock = channel.dealer(self._loop.context, host, port, self.config.max_message_bytes, self._guard.client)
@@ -227,14 +229,16 @@ class DecodeSide(SideLifecycle):
         return conn
 
     def _rehandshake(self, conn: Conn) -> None:
-        """A transport was reset since this connection handshook: handshake again on the same socket, so the
-        prefill rank loads this rank's new descriptor and this rank its (either may have changed)."""
+        """A transport was reset since this connection handshook, or a request names another lifetime of the
+        prefill rank: handshake again on the same socket, so the prefill rank loads this rank's new descriptor and
+        this rank its (either may have changed)."""
         conn.stale, conn.state, conn.started = False, "handshaking", time.monotonic()
         conn.deferred = self.local.generation != self.local.transport.generation
         if conn.deferred:  # this rank's engine is not running again yet: _check_deadlines sends it then
             return
         conn.generation = self.local.generation
-        logger.warning("decode rank %d: reconnecting prefill rank %d at %s:%d (a transport was reset)",
+        logger.warning("decode rank %d: handshaking again with prefill rank %d at %s:%d (a transport was reset, or "
+                       "a request names another lifetime of it)",
                        self.config.rank, conn.rank, conn.host, conn.port)
         channel.send(conn.socket, self.local.handshake(), self.counters)
 

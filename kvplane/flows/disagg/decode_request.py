@@ -117,7 +117,8 @@ class DecodeRequest:
         failed = [(r, v) for r, v in sorted(ranks.items()) if v.state == "failed"]
         if failed:
             r, v = failed[0]
-            return self._complete("failed", f"handshake with prefill rank {r} at {v.where} failed: {v.error}")
+            out = self._give_up_push() if self.ident.mode == "push" else []  # the ranks that handshook free it now
+            return out + self._complete("failed", f"handshake with prefill rank {r} at {v.where} failed: {v.error}")
         if any(v.state != "ready" for v in ranks.values()):
             return []
         for r, v in sorted(ranks.items()):
