@@ -26,6 +26,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from contextlib import ExitStack
 
 import zmq
 
@@ -93,10 +94,15 @@ class PrefillSide(SideLifecycle):
         self._next_lease_check = 0.0
         self._out = Published()
         self._engine_tokens: dict[str, str] = {}  # engine thread: handed over, not yet reported
-        self._loop = IOLoop(f"kvplane-prefill-{config.rank}", self._tick, self._publish)
-        self._guard = Guard(self._loop.context, curve_keys(config, "prefill"))
-        self._socket, self.port = channel.router(self._loop.context, config.listen_host, config.rank_port(),
-                                                 config.max_message_bytes, self._guard.server)
+        with ExitStack() as undo:  # a port in use, bad keys: give back what was built so far, then raise
+            undo.callback(self.local.close)
+            self._loop = IOLoop(f"kvplane-prefill-{config.rank}", self._tick, self._publish)
+            undo.callback(self._loop.context.destroy, linger=0)  # never started: close its sockets, end it
+            self._guard = Guard(self._loop.context, curve_keys(config, "prefill"))
+            undo.callback(self._guard.stop)
+            self._socket, self.port = channel.router(self._loop.context, config.listen_host, config.rank_port(),
+                                                     config.max_message_bytes, self._guard.server)
+            undo.pop_all()
         self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
                             config.max_inflight, self._loop.submit, flow=config.mode)
         self._pusher = Pusher(self.local, self._mover, self._settle)
