@@ -33,7 +33,7 @@ Key = ownership.Key
 
 
 class Phase(Enum):
-    EARLY = "early"  # a decode rank's word arrived before the engine handed the request over
+    EARLY = "early"  # the engine has not handed the request over (a decode rank's word came first)
     COMPUTING = "computing"  # start_request (layer-wise): the prompt is computing; saved layers are pushed
     HELD = "held"  # request_finished: the blocks are held for decode ranks to read or be pushed, under a lease
     ABORTED = "aborted"  # the engine aborted it mid-prefill: released once the writes in flight ended
@@ -70,8 +70,7 @@ def render_transitions() -> str:
     """The transition table as the mermaid state diagram docs/disagg.md shows (sorted, one edge a line)."""
     order = list(Phase)
     edges = sorted(TRANSITIONS, key=lambda t: (order.index(t[0]), order.index(t[2]), t[1]))
-    lines = ["stateDiagram-v2", "    [*] --> EARLY: a decode rank's word", "    [*] --> COMPUTING: start",
-             "    [*] --> HELD: finish"]
+    lines = ["stateDiagram-v2", "    [*] --> EARLY: the first event (the engine's or a decode rank's)"]
     lines += [f"    {a.name} --> {b.name}: {event}" for a, event, b in edges]
     lines += ["    RELEASED --> [*]", "    DROPPED --> [*]"]
     return "\n".join(lines)
