@@ -179,8 +179,11 @@ class PrefillModel:
                 else:
                     a.target.plans = {}
             elif isinstance(a, Write):
-                assert not a.target.error and a.target.checked, "a write to a target that does not count"
-                self.writes.append(InFlight(m, a.target, a.layers))
+                assert a.target.checked, "a write to a registration that does not count"
+                if not a.whole and a.target.plans is None:  # as Pusher.write: its Prepare failed just before
+                    self.run(m, m.write_ended(a.target, "cannot plan the push: its per-layer plans were not built"))
+                else:
+                    self.writes.append(InFlight(m, a.target, a.layers))
             elif isinstance(a, Release):
                 for check in self.on_release:
                     check(m, a.completion)
