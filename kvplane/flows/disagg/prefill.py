@@ -16,7 +16,8 @@ Who calls what (the engine's thread; the vLLM connector wraps these):
 - ``abort(request_id)``: a request aborted mid-prefill stops pushing; it is reported once its transfers drain.
 
 Handshakes (``admission.py``), heartbeats and registrations run on this side's I/O loop thread; transfers on
-its transfer thread (``mover.py``). A message about a request counts only from a decode rank that handshook
+its transfer thread (``mover.py``). Each request is a pure ``HeldRequest`` machine (``held_request.py``): this
+side routes every engine call, message, transfer result and lease tick to it and carries out what it returns. A message about a request counts only from a decode rank that handshook
 on that connection, with the request's token, from the decode instance that first used it.
 """
 
