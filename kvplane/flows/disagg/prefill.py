@@ -16,7 +16,8 @@ Who calls what (the engine's thread; the vLLM connector wraps these):
 - ``abort(request_id)``: a request aborted mid-prefill stops pushing; it is reported once its transfers drain.
 
 Handshakes (``admission.py``), heartbeats and registrations run on this side's I/O loop thread; transfers on
-its transfer thread (``mover.py``). A message about a request counts only from a decode rank that handshook
+its transfer thread (``mover.py``). Each request is a pure ``HeldRequest`` machine (``held_request.py``): this
+side routes every engine call, message, transfer result and lease tick to it and carries out what it returns. A message about a request counts only from a decode rank that handshook
 on that connection, with the request's token, from the decode instance that first used it.
 """
 
@@ -26,16 +27,28 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from contextlib import ExitStack
 
 import zmq
 
 from kvplane.backend.base import Backend, Event
 from kvplane.blocks.groups import Ids, PerGroup
-from kvplane.flows.disagg import channel, ownership
+from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.admission import Admission
 from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.flows.disagg.held_request import (
+    Action,
+    HeldRequest,
+    Phase,
+    Prepare,
+    Registered,
+    Release,
+    Send,
+    Terms,
+    Write,
+)
 from kvplane.flows.disagg.limits import MAX_EARLY, RateLimit
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
@@ -51,10 +64,8 @@ from kvplane.flows.disagg.messages import (
 from kvplane.flows.disagg.mover import Mover
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord, Prober
-from kvplane.flows.disagg.prefill_settle import Settler
 from kvplane.flows.disagg.published import Published
 from kvplane.flows.disagg.pusher import Pusher, check_destination
-from kvplane.flows.disagg.records import Held, Target
 from kvplane.flows.disagg.results import Completion
 from kvplane.flows.disagg.routes import layers_by_source
 from kvplane.flows.disagg.side import SideLifecycle
@@ -62,9 +73,11 @@ from kvplane.flows.disagg.tokens import request_token, same_token
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
+from kvplane.metrics import recorder
 from kvplane.metrics.watch import watch_side
 
 logger = logging.getLogger("kvplane.disagg")
+REMEMBERED = 10_000  # released request ids kept to answer late messages about them
 
 
 class PrefillSide(SideLifecycle):
@@ -86,21 +99,26 @@ class PrefillSide(SideLifecycle):
         self.local = LocalKV(backend, spec, kv_caches, config, "prefill", layouts)
         self.counters = channel.Counters()
         self._limit = RateLimit()
-        self._held: dict[str, Held] = {}
-        self._early = 0  # entries of _held the engine has not handed over yet
+        self._terms = Terms(config.rank, config.lease_s, config.push_timeout_s)
+        self._held: dict[str, HeldRequest] = {}  # each request's machine, until it is released or dropped
+        self._early: set[str] = set()  # requests whose machine is EARLY: word the engine has not handed over yet
         self._released: OrderedDict[str, tuple[str, str]] = OrderedDict()  # request id -> (outcome, token)
         self._layer_events: list[tuple[str, Event]] = []
         self._next_lease_check = 0.0
         self._out = Published()
         self._engine_tokens: dict[str, str] = {}  # engine thread: handed over, not yet reported
-        self._loop = IOLoop(f"kvplane-prefill-{config.rank}", self._tick, self._publish)
-        self._guard = Guard(self._loop.context, curve_keys(config, "prefill"))
-        self._socket, self.port = channel.router(self._loop.context, config.listen_host, config.rank_port(),
-                                                 config.max_message_bytes, self._guard.server)
+        with ExitStack() as undo:  # a port in use, bad keys: give back what was built so far, then raise
+            undo.callback(self.local.close)
+            self._loop = IOLoop(f"kvplane-prefill-{config.rank}", self._tick, self._publish)
+            undo.callback(self._loop.context.destroy, linger=0)  # never started: close its sockets, end it
+            self._guard = Guard(self._loop.context, curve_keys(config, "prefill"))
+            undo.callback(self._guard.stop)
+            self._socket, self.port = channel.router(self._loop.context, config.listen_host, config.rank_port(),
+                                                     config.max_message_bytes, self._guard.server)
+            undo.pop_all()
         self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
                             config.max_inflight, self._loop.submit, flow=config.mode)
-        self._pusher = Pusher(self.local, self._mover, self._settle)
-        self._settler = Settler(self)
+        self._pusher = Pusher(self.local, self._mover)
         prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
         self._admission = Admission(self.local, prober, self._reply, self._forget_peer, self._limit)
         self._loop.watch(self._socket, self._on_readable)
@@ -167,52 +185,82 @@ class PrefillSide(SideLifecycle):
         not released yet): the signal that a push can start as soon as the request is finished."""
         return request_id in self._out.registered
 
-    # -- loop: engine events ------------------------------------------------------------------------------
+    # -- loop: carrying out the machines' actions (held_request.py) -----------------------------------------
     def _publish(self) -> None:
         self._out.publish(self._mover.moving)
 
-    def _entry(self, request_id: str) -> Held:
-        held = self._held.get(request_id)
-        if held is None:
-            held = self._held[request_id] = Held(request_id)
-            self._early += 1
-        return held
+    def _new(self, request_id: str, deadline: float) -> HeldRequest:
+        """A machine for word about a request the engine has not handed over yet (``EARLY``)."""
+        request = self._held[request_id] = HeldRequest(request_id, self._terms, deadline)
+        self._early.add(request_id)
+        return request
 
+    def _run(self, request: HeldRequest, actions: list[Action]) -> None:
+        """Carry out what ``request``'s machine asked for, in order (a result may feed it the next event)."""
+        if request.phase is not Phase.EARLY:
+            self._early.discard(request.request_id)
+        for action in actions:
+            if isinstance(action, Send):
+                if not isinstance(action.message, Problem) or self._limit.allow():
+                    self._reply(action.to, action.message)
+            elif isinstance(action, Prepare):
+                assert request.held.block_ids is not None  # a machine prepares only once it has the blocks
+                why = self._pusher.prepare(request.held.block_ids, action.target)
+                if why:
+                    self._run(request, request.plan_failed(action.target, why))
+            elif isinstance(action, Write):
+                self._write(request, action)
+            elif isinstance(action, Registered):
+                self._out.registered.add(request.request_id)
+            elif isinstance(action, Release):
+                self._release(request, action.completion)
+            else:  # Drop: word of a request that never came here expired; nothing of the engine's is held
+                self._forget(request)
+
+    def _write(self, request: HeldRequest, write: Write) -> None:
+        assert request.held.block_ids is not None  # a machine writes only once it has the blocks
+        target = write.target
+        self._pusher.write(request.held.block_ids, target, write.layers, write.whole,
+                           lambda why: self._run(request, request.write_ended(target, why)))
+
+    def _forget(self, request: HeldRequest) -> None:
+        if self._held.get(request.request_id) is request:
+            del self._held[request.request_id]
+        self._out.registered.discard(request.request_id)
+
+    def _release(self, request: HeldRequest, completion: Completion) -> None:
+        self._forget(request)
+        state, reason = completion.state, completion.reason
+        self._released[request.request_id] = (f"{state}{': ' + reason if reason else ''}", request.token)
+        while len(self._released) > REMEMBERED:
+            self._released.popitem(last=False)
+        if state != "done":
+            self._limit.warn(logger, "prefill rank %d: request %s %s%s", self.config.rank, request.request_id, state,
+                             f" ({reason})" if reason else "")
+        recorder().request_ended(self.config.mode, state)
+        self._out.add(completion)
+
+    # -- loop: engine events --------------------------------------------------------------------------------
     def _on_handed(self, request_id: str, ids: dict[int, Ids], num_tokens: int, token: str, finished: bool
                    ) -> None:
-        held = self._entry(request_id)
-        if not held.known:
-            self._early -= 1
-        held.block_ids, held.num_tokens = ids, num_tokens
-        for refused in ownership.hand_over(held, token):  # word that came before counts only with the token
-            self._problem(refused.peer.identity, held.request_id, "the push registration's token does not match "
-                          "the request's; register with the kv_transfer_params of this request")
+        request = self._held.get(request_id)
+        if request is None:
+            request = self._new(request_id, float("inf"))
         if finished:
-            held.finished = True
-            held.deadline = time.monotonic() + self.config.lease_s
-            for target in held.targets.values():
-                self._pusher.push_rest(held, target)
+            self._run(request, request.finish(ids, num_tokens, token, time.monotonic()))
         else:
-            for target in held.targets.values():
-                self._pusher.build_plans(held, target)
-        self._settle(held)
+            self._run(request, request.start(ids, num_tokens, token))
 
     def _on_abort(self, request_id: str) -> None:
-        held = self._held.get(request_id)
-        if held is None or held.finished or not held.known:
-            return  # finished KV stays valid for decode; the lease or the readers end it
-        held.aborted = True
-        self._settle(held)
+        request = self._held.get(request_id)
+        if request is not None:
+            self._run(request, request.abort())
 
     def _on_layer_saved(self, layer: str) -> None:
-        for held in self._held.values():
-            if held.known and not held.finished and not held.aborted:
-                held.saved.add(layer)
-                for target in held.targets.values():
-                    if layer in target.layers:
-                        self._pusher.push(held, target, [layer])
+        for request in list(self._held.values()):
+            self._run(request, request.layer_saved(layer))
 
-    # -- loop: messages -----------------------------------------------------------------------------------
+    # -- loop: messages -------------------------------------------------------------------------------------
     def _on_readable(self, sock: zmq.Socket[bytes]) -> None:
         self._receive(sock, True, self._dispatch)
 
@@ -242,10 +290,9 @@ class PrefillSide(SideLifecycle):
             if rid in seen:
                 continue  # one answer per distinct request, however often it is named
             seen.add(rid)
-            held = self._held.get(rid)
-            if held is not None:
-                if held.finished and ownership.owned(held, beat.engine_id, token):
-                    held.deadline = now + self.config.lease_s
+            request = self._held.get(rid)
+            if request is not None:
+                self._run(request, request.heartbeat(beat.engine_id, token, now))
             elif rid in self._released and same_token(self._released[rid][1], token):
                 self._problem(identity, rid, self._released[rid][0])
 
@@ -253,19 +300,15 @@ class PrefillSide(SideLifecycle):
         if done.expect_boot != self.local.boot_id:
             self._problem(identity, done.request_id, "stale: this prefill rank restarted")
             return
-        held = self._held.get(done.request_id)
-        if held is None:
+        request = self._held.get(done.request_id)
+        if request is None:
             if done.request_id in self._released or not self._room_for_early():
                 return
             # vLLM gives the proxy kv_transfer_params a step before its worker calls request_finished here, so a
             # fast decode may be done reading first: keep its word (checked then) until the request comes
-            held = self._entry(done.request_id)
-            held.deadline = time.monotonic() + self.config.lease_s
-        if not ownership.read_done(held, (done.engine_id, done.rank), done.ok, done.tp_size, done.token):
-            self._problem(identity, done.request_id, "ReadDone does not carry this request's token (or comes from "
-                          "another decode instance); ignored")
-            return
-        self._settle(held)
+            request = self._new(done.request_id, time.monotonic() + self.config.lease_s)
+        self._run(request, request.read_done(identity, (done.engine_id, done.rank), done.ok, done.tp_size,
+                                             done.token))
 
     def _on_register(self, identity: bytes, peer: PeerRecord, reg: PushRegister) -> None:
         rid = reg.request_id
@@ -276,59 +319,27 @@ class PrefillSide(SideLifecycle):
             problem = f"request is no longer held ({self._released[rid][0]})"
         else:
             problem = check_destination(peer, reg)
-        held = self._held.get(rid)
-        if not problem and held is None and not self._room_for_early():
+        request = self._held.get(rid)
+        if not problem and request is None and not self._room_for_early():
             problem = "too many requests registered that this prefill rank was not handed yet; retry later"
-        if not problem and held is not None and not ownership.may_register(held, reg.engine_id, reg.token):
-            problem = "the push registration's token does not match the request's"
         if problem:
             self._problem(identity, rid, problem)
             return
-        if held is None:
-            held = self._entry(rid)
-            held.deadline = time.monotonic() + self.config.push_timeout_s  # waiting for the request itself
+        if request is None:  # waiting for the request itself
+            request = self._new(rid, time.monotonic() + self.config.push_timeout_s)
         layers = layers_by_source(peer.manifest, self.config.tp_size, rid).get(self.config.rank, [])
-        target = Target(peer, reg, layers, checked=held.known)
-        if held.known:
-            held.target_tp = reg.tp_size
-        previous = held.targets.get((reg.engine_id, reg.rank))
-        if previous is not None and previous.inflight:
-            target.error = "registered twice while the first push was in flight"
-        held.targets[(reg.engine_id, reg.rank)] = target
-        self._out.registered.add(rid)
-        if held.finished:
-            self._pusher.push_rest(held, target)
-        elif held.block_ids is not None:
-            self._pusher.build_plans(held, target)
-            self._pusher.push(held, target, [x for x in target.layers if x in held.saved])
-        self._settle(held)
+        self._run(request, request.register(identity, peer, reg, layers))
 
     def _on_cancel(self, identity: bytes, cancel: Cancel) -> None:
-        held = self._held.get(cancel.request_id)
-        target = held.targets.get((cancel.engine_id, cancel.rank)) if held is not None else None
-        if target is None:  # no registration from that rank: it gave the push up before registering
-            self._on_decline(identity, held, cancel)
-            return
-        if held is None or not same_token(target.register.token, cancel.token):
-            return
-        target.cancelled = True
-        target.error = target.error or "cancelled by the decode rank"
-        self._settle(held)
-
-    def _on_decline(self, identity: bytes, held: Held | None, cancel: Cancel) -> None:
-        if held is None:
+        request = self._held.get(cancel.request_id)
+        if request is None:  # a decode rank gave the push up before registering: judged once the request comes
             if cancel.request_id in self._released or not self._room_for_early():
                 return
-            held = self._entry(cancel.request_id)  # judged once the engine hands the request over
-            held.deadline = time.monotonic() + self.config.push_timeout_s
-        if not ownership.decline(held, (cancel.engine_id, cancel.rank), cancel.token):
-            self._problem(identity, cancel.request_id, "Cancel does not carry this request's token (or comes from "
-                          "another decode instance); ignored")
-            return
-        self._settle(held)
+            request = self._new(cancel.request_id, time.monotonic() + self.config.push_timeout_s)
+        self._run(request, request.cancel(identity, (cancel.engine_id, cancel.rank), cancel.token))
 
     def _room_for_early(self) -> bool:
-        if self._early < MAX_EARLY:
+        if len(self._early) < MAX_EARLY:
             return True
         self._drop(f"word of {MAX_EARLY} requests not handed over yet is kept already")
         return False
@@ -344,16 +355,10 @@ class PrefillSide(SideLifecycle):
     def _reply(self, identity: bytes, message: Message) -> bool:
         return channel.send(self._socket, message, self.counters, identity)
 
-    # -- loop: completion and time (prefill_settle.py) -----------------------------------------------------
-    def _settle(self, held: Held) -> None:
-        self._settler.settle(held)
-
+    # -- loop: peers and time -------------------------------------------------------------------------------
     def _forget_peer(self, peer: PeerRecord, why: str) -> None:
-        for held in list(self._held.values()):
-            for target in held.targets.values():
-                if target.peer is peer and not target.reported:
-                    target.error = target.error or why
-            self._settle(held)
+        for request in list(self._held.values()):
+            self._run(request, request.peer_lost(peer, why))
 
     def _tick(self) -> float:
         while self._layer_events and self._layer_events[0][1].query():
@@ -363,8 +368,9 @@ class PrefillSide(SideLifecycle):
         self._admission.prober.expire(now)
         if now >= self._next_lease_check:
             self._next_lease_check = now + min(0.05, self.config.lease_s / 10)
-            for held in list(self._held.values()):
-                if held.deadline < now and not any(t.inflight for t in held.targets.values()):
-                    self._settler.expire(held)
+            for request in list(self._held.values()):
+                actions = request.tick(now)
+                if actions:
+                    recorder().lease_expired()
+                self._run(request, actions)
         return 0.0005 if self._layer_events else 0.05
-

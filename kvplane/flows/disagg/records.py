@@ -1,7 +1,7 @@
 """What each side keeps per peer and per request while KV moves: the decode side's connections to prefill ranks
 (``Conn``) and requests it receives (``Want``: what the ``Starter`` needs, and the request's machine); the prefill
 side's requests it holds (``Held``) and the decode ranks each one is pushed to (``Target``). Plain records:
-``decode.py`` and ``prefill.py`` own their changes.
+``decode.py`` (with ``decode_request.py``) and ``held_request.py`` (with ``ownership.py``) own their changes.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class Target:
     register: PushRegister
     layers: list[str]
     checked: bool = False  # its token matched the request's (known once the engine handed the request over)
-    plans: dict[str, CopyPlan] | None = None
+    prepared: bool = False  # its per-layer plans were asked for (layer-wise push): layers go out as saved
+    plans: dict[str, CopyPlan] | None = None  # those plans, built by the shell's Pusher (the machine never reads them)
     sent: set[str] = field(default_factory=set)
     inflight: int = 0
     error: str = ""

@@ -1,0 +1,413 @@
+"""``HeldRequest``: one request on a prefill rank as a pure state machine, from the first word about it to its
+one ``Completion``.
+
+``PrefillSide`` (the shell) feeds it one event per call: the engine handed the request over (``start``,
+``finish``), a layer was saved, the engine aborted it, a decode rank's ``ReadDone``/``PushRegister``/``Cancel``/
+``Heartbeat``, a write to a target ended, a peer was forgotten, ``tick(now)``. Each call returns the actions the
+shell carries out, in order: ``Send`` a message to a peer, ``Prepare`` the per-layer plans of a target,
+``Write`` layers to a target (the shell's ``Pusher`` plans and hands them to the transfer thread, and calls
+``write_ended`` once they landed), ``Registered`` (a push registration stands), ``Release`` with the request's
+``Completion``, or ``Drop`` (word about a request the engine never handed over expired). No I/O and no clock
+read in here: the time is an argument.
+
+Whose word counts is ``ownership.py``'s rules on the ``Held`` record this machine keeps. The machine releases
+a request once nothing more can happen to its blocks: exactly once, ``done`` only when every decode rank of the
+owner instance read or received every layer this rank owes it. ``TRANSITIONS`` lists every phase change the
+machine makes; docs/disagg.md draws it (``render_transitions``) and a unit test checks both agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvplane.blocks.groups import Ids
+from kvplane.flows.disagg import ownership
+from kvplane.flows.disagg.messages import Problem, PushRegister, PushResult
+from kvplane.flows.disagg.peers import PeerRecord
+from kvplane.flows.disagg.records import Held, Target
+from kvplane.flows.disagg.results import Completion, State
+from kvplane.flows.disagg.tokens import same_token
+
+Key = ownership.Key
+
+
+class Phase(Enum):
+    EARLY = "early"  # the engine has not handed the request over (a decode rank's word came first)
+    COMPUTING = "computing"  # start_request (layer-wise): the prompt is computing; saved layers are pushed
+    HELD = "held"  # request_finished: the blocks are held for decode ranks to read or be pushed, under a lease
+    ABORTED = "aborted"  # the engine aborted it mid-prefill: released once the writes in flight ended
+    RELEASED = "released"  # its one Completion was issued; nothing more happens to it
+    DROPPED = "dropped"  # early word expired and the engine never handed it over: nothing of the engine's held
+
+
+TERMINAL = frozenset({Phase.RELEASED, Phase.DROPPED})
+
+# Every phase change (from, event, to); events are the machine's method names.
+TRANSITIONS: frozenset[tuple[Phase, str, Phase]] = frozenset({
+    (Phase.EARLY, "start", Phase.COMPUTING),
+    (Phase.EARLY, "finish", Phase.HELD),
+    (Phase.EARLY, "finish", Phase.RELEASED),
+    (Phase.EARLY, "tick", Phase.DROPPED),
+    (Phase.COMPUTING, "finish", Phase.HELD),
+    (Phase.COMPUTING, "finish", Phase.RELEASED),
+    (Phase.COMPUTING, "abort", Phase.ABORTED),
+    (Phase.COMPUTING, "abort", Phase.RELEASED),
+    (Phase.COMPUTING, "tick", Phase.RELEASED),
+    (Phase.ABORTED, "write_ended", Phase.RELEASED),
+    (Phase.HELD, "finish", Phase.RELEASED),
+    (Phase.HELD, "read_done", Phase.RELEASED),
+    (Phase.HELD, "register", Phase.RELEASED),
+    (Phase.HELD, "cancel", Phase.RELEASED),
+    (Phase.HELD, "write_ended", Phase.RELEASED),
+    (Phase.HELD, "plan_failed", Phase.RELEASED),
+    (Phase.HELD, "peer_lost", Phase.RELEASED),
+    (Phase.HELD, "tick", Phase.RELEASED),
+})
+
+
+def render_transitions() -> str:
+    """The transition table as the mermaid state diagram docs/disagg.md shows (sorted, one edge a line)."""
+    order = list(Phase)
+    edges = sorted(TRANSITIONS, key=lambda t: (order.index(t[0]), order.index(t[2]), t[1]))
+    lines = ["stateDiagram-v2", "    [*] --> EARLY: the first event (the engine's or a decode rank's)"]
+    lines += [f"    {a.name} --> {b.name}: {event}" for a, event, b in edges]
+    lines += ["    RELEASED --> [*]", "    DROPPED --> [*]"]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What the machine needs of the side's config."""
+
+    rank: int  # this prefill rank, named in its replies
+    lease_s: float  # a finished request is held this long past its last heartbeat
+    push_timeout_s: float  # word about a request not handed over yet is kept this long
+
+
+# -- actions ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Send:
+    """Send ``message`` to the peer connection ``to`` (a ZMQ routing id)."""
+
+    to: bytes
+    message: PushResult | Problem
+
+
+@dataclass(frozen=True, eq=False)
+class Prepare:
+    """Build the per-layer WRITE plans of ``target`` now (layer-wise push), so saved layers go out at once;
+    a planning error comes back as ``plan_failed(target, reason)``."""
+
+    target: Target
+
+
+@dataclass(frozen=True, eq=False)
+class Write:
+    """Write ``layers`` of the request to ``target`` (one plan over all of them when ``whole``, else the
+    prepared per-layer plans); the shell calls ``write_ended(target, error)`` exactly once afterwards."""
+
+    target: Target
+    layers: tuple[str, ...]
+    whole: bool
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A push registration for the request stands (``PrefillSide.push_registered``)."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """The engine may free the request's blocks: report ``completion``."""
+
+    completion: Completion
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Forget the request: only word from decode ranks was kept, and it expired (no completion)."""
+
+
+Action = Send | Prepare | Write | Registered | Release | Drop
+
+
+@dataclass
+class HeldRequest:
+    request_id: str
+    terms: Terms
+    deadline: float = float("inf")  # of the lease, or of the wait for the engine to hand the request over
+    held: Held = field(init=False)
+    phase: Phase = Phase.EARLY
+    path: list[tuple[Phase, str, Phase]] = field(default_factory=list)  # the transitions taken, in order
+    _ended: Phase | None = field(default=None, init=False, repr=False)  # RELEASED or DROPPED, once decided
+
+    def __post_init__(self) -> None:
+        self.held = Held(self.request_id)
+
+    @property
+    def token(self) -> str:
+        return self.held.token
+
+    @property
+    def targets(self) -> dict[Key, Target]:
+        return self.held.targets
+
+    @property
+    def in_flight(self) -> bool:
+        return any(t.inflight for t in self.held.targets.values())
+
+    # -- engine events --------------------------------------------------------------------------------------
+    def start(self, block_ids: dict[int, Ids], num_tokens: int, token: str) -> list[Action]:
+        """``start_request``: the coming forward completes the prompt in ``block_ids``."""
+        if self.phase in TERMINAL:
+            return []
+        return self._event("start", self._hand_over(block_ids, num_tokens, token, None))
+
+    def finish(self, block_ids: dict[int, Ids], num_tokens: int, token: str, now: float) -> list[Action]:
+        """``request_finished``: the KV is computed; hold it under a lease from ``now``."""
+        if self.phase in TERMINAL:
+            return []
+        return self._event("finish", self._hand_over(block_ids, num_tokens, token, now))
+
+    def layer_saved(self, layer: str) -> list[Action]:
+        held = self.held
+        if self.phase in TERMINAL or not held.known or held.finished or held.aborted:
+            return []
+        held.saved.add(layer)
+        out: list[Action] = []
+        for target in held.targets.values():
+            if layer in target.layers:
+                out += self._write(target, [layer])
+        return self._event("layer_saved", out)
+
+    def abort(self) -> list[Action]:
+        """The engine aborted it; finished KV stays valid for decode (the lease or the readers end it)."""
+        if self.phase in TERMINAL or not self.held.known or self.held.finished:
+            return []
+        self.held.aborted = True
+        return self._event("abort", [])
+
+    # -- decode ranks' messages (the shell checked the boot id and that the sender handshook) ---------------
+    def read_done(self, sender: bytes, key: Key, ok: bool, tp_size: int, token: str) -> list[Action]:
+        if self.phase in TERMINAL:
+            return []
+        if not ownership.read_done(self.held, key, ok, tp_size, token):
+            return [self._problem(sender, "ReadDone does not carry this request's token (or comes from another "
+                                          "decode instance); ignored")]
+        return self._event("read_done", [])
+
+    def register(self, sender: bytes, peer: PeerRecord, reg: PushRegister, layers: list[str]) -> list[Action]:
+        """A push registration of ``peer`` (its destination checked by the shell), owed ``layers`` by this rank."""
+        held = self.held
+        if self.phase in TERMINAL:
+            return []
+        if not ownership.may_register(held, reg.engine_id, reg.token):
+            return [self._problem(sender, "the push registration's token does not match the request's")]
+        target = Target(peer, reg, layers, checked=held.known)
+        if held.known:
+            held.target_tp = reg.tp_size
+        previous = held.targets.get((reg.engine_id, reg.rank))
+        if previous is not None and previous.inflight:
+            target.error = "registered twice while the first push was in flight"
+        held.targets[(reg.engine_id, reg.rank)] = target
+        out: list[Action] = [Registered()]
+        if held.finished:
+            out += self._push_rest(target)
+        elif held.block_ids is not None:
+            out += self._prepare(target)
+            out += self._write(target, [x for x in target.layers if x in held.saved])
+        return self._event("register", out)
+
+    def cancel(self, sender: bytes, key: Key, token: str) -> list[Action]:
+        """A decode rank cancelled its push, or gave it up before registering (it could not plan it)."""
+        if self.phase in TERMINAL:
+            return []
+        target = self.held.targets.get(key)
+        if target is None:
+            if not ownership.decline(self.held, key, token):
+                return [self._problem(sender, "Cancel does not carry this request's token (or comes from another "
+                                              "decode instance); ignored")]
+            return self._event("cancel", [])
+        if not same_token(target.register.token, token):
+            return []
+        target.cancelled = True
+        target.error = target.error or "cancelled by the decode rank"
+        return self._event("cancel", [])
+
+    def heartbeat(self, engine_id: str, token: str, now: float) -> list[Action]:
+        """A decode rank still wants the finished request: renew its lease from ``now``."""
+        if self.held.finished and ownership.owned(self.held, engine_id, token):
+            self.deadline = now + self.terms.lease_s
+        return []
+
+    # -- the shell's results --------------------------------------------------------------------------------
+    def write_ended(self, target: Target, error: str) -> list[Action]:
+        """A ``Write`` to ``target`` ended: ``error`` says why it failed ("" when its bytes landed)."""
+        target.inflight -= 1
+        if self.phase in TERMINAL:
+            return []
+        if error and not target.error:
+            target.error = error
+        return self._event("write_ended", [])
+
+    def plan_failed(self, target: Target, reason: str) -> list[Action]:
+        """A ``Prepare`` of ``target`` failed: nothing will be written to it."""
+        if self.phase in TERMINAL:
+            return []
+        target.error = target.error or reason
+        return self._event("plan_failed", [])
+
+    def peer_lost(self, peer: PeerRecord, why: str) -> list[Action]:
+        """The shell forgot ``peer`` (it restarted, or its transport went): its pushes fail."""
+        if self.phase in TERMINAL:
+            return []
+        for target in self.held.targets.values():
+            if target.peer is peer and not target.reported:
+                target.error = target.error or why
+        return self._event("peer_lost", [])
+
+    def tick(self, now: float) -> list[Action]:
+        """Expire the lease (or the wait for the engine) once ``deadline`` passed and no write is in flight."""
+        if self.phase in TERMINAL or self.deadline >= now or self.in_flight:
+            return []
+        return self._event("tick", self._expire())
+
+    # -- inside ---------------------------------------------------------------------------------------------
+    def _event(self, event: str, out: list[Action]) -> list[Action]:
+        """After ``event`` changed the record (its actions ``out``): settle, and move to the phase it led to."""
+        if self._ended is None:
+            out += self._settle()
+        new = self._phase()
+        if new is not self.phase:
+            self.path.append((self.phase, event, new))
+            self.phase = new
+        return out
+
+    def _phase(self) -> Phase:
+        held = self.held
+        if self._ended is not None:
+            return self._ended
+        if held.aborted:
+            return Phase.ABORTED
+        if held.finished:
+            return Phase.HELD
+        return Phase.COMPUTING if held.known else Phase.EARLY
+
+    def _hand_over(self, block_ids: dict[int, Ids], num_tokens: int, token: str, now: float | None
+                   ) -> list[Action]:
+        held = self.held
+        held.block_ids, held.num_tokens = block_ids, num_tokens
+        out: list[Action] = [
+            self._problem(refused.peer.identity, "the push registration's token does not match the request's; "
+                                                 "register with the kv_transfer_params of this request")
+            for refused in ownership.hand_over(held, token)  # word that came before counts only with the token
+        ]
+        if now is not None:
+            held.finished = True
+            self.deadline = now + self.terms.lease_s
+            for target in held.targets.values():
+                out += self._push_rest(target)
+        else:
+            for target in held.targets.values():
+                out += self._prepare(target)
+        return out
+
+    def _source_ok(self, target: Target) -> bool:
+        """Whether a push to ``target`` can be planned: its registration was checked and expects no more tokens
+        than this prefill computed."""
+        if target.error or self.held.block_ids is None or not target.checked:
+            return False
+        if target.register.num_tokens > self.held.num_tokens:
+            target.error = (f"decode expects {target.register.num_tokens} tokens, this prefill computed "
+                            f"{self.held.num_tokens}; both must count the same prompt")
+            return False
+        return True
+
+    def _stopped(self, target: Target) -> bool:
+        return bool(target.cancelled or self.held.aborted or self.held.declined)
+
+    def _prepare(self, target: Target) -> list[Action]:
+        if target.prepared or not self._source_ok(target):
+            return []
+        target.prepared = True
+        return [Prepare(target)]
+
+    def _write(self, target: Target, layers: list[str]) -> list[Action]:
+        if not target.prepared or target.error or self._stopped(target):
+            return []
+        todo = tuple(x for x in layers if x not in target.sent)
+        if not todo:
+            return []
+        target.sent.update(todo)
+        target.inflight += 1
+        return [Write(target, todo, whole=False)]
+
+    def _push_rest(self, target: Target) -> list[Action]:
+        """The request is finished: write every layer not yet sent. When none was (a whole-request push) and
+        nothing is staged, one plan covers all layers."""
+        if not target.sent and not target.prepared and not target.register.staging_addr:
+            if not self._source_ok(target) or self._stopped(target):
+                return []
+            target.sent.update(target.layers)
+            target.inflight += 1
+            return [Write(target, tuple(target.layers), whole=True)]
+        return self._prepare(target) + self._write(target, target.layers)
+
+    def _problem(self, to: bytes, reason: str) -> Send:
+        return Send(to, Problem(self.request_id, self.terms.rank, reason))
+
+    def _result(self, target: Target, ok: bool, reason: str) -> Send:
+        return Send(target.peer.identity, PushResult(self.request_id, self.terms.rank, ok, reason))
+
+    def _settle(self) -> list[Action]:
+        """Report finished pushes, and release the request once nothing more can happen to its blocks."""
+        held = self.held
+        out: list[Action] = []
+        for target in held.targets.values():
+            if target.reported or target.inflight or not target.checked:
+                continue
+            complete = held.finished and set(target.layers) <= target.sent
+            if held.declined:  # one decode rank gave the request up: nothing more is written to any of them
+                target.error = target.error or held.declined
+            if target.error or held.aborted or complete or not target.layers:
+                reason = target.error or ("aborted on the prefill instance" if held.aborted else "")
+                out.append(self._result(target, not reason and (complete or not target.layers), reason))
+                target.reported = True
+        if not held.known or self.in_flight:
+            return out
+        if held.aborted:
+            return out + self._release("failed", "aborted before its prefill finished")
+        if not held.finished:
+            return out
+        if held.declined:
+            return out + self._release("failed", held.declined)
+        if held.reader_tp and len(held.readers) >= held.reader_tp:
+            failed = [k for k, ok in held.readers.items() if not ok]
+            if failed:
+                return out + self._release("failed", f"decode rank(s) {failed} reported the read failed")
+            return out + self._release("done")
+        if held.target_tp and len(held.targets) >= held.target_tp and all(t.reported for t in held.targets.values()):
+            errors = [t.error for t in held.targets.values() if t.error]
+            return out + self._release("failed" if errors else "done", "; ".join(errors))
+        return out
+
+    def _release(self, state: State, reason: str = "") -> list[Action]:
+        self._ended = Phase.RELEASED
+        return [Release(Completion(self.request_id, state, reason=reason))]
+
+    def _expire(self) -> list[Action]:
+        held = self.held
+        out: list[Action] = []
+        if not held.known:  # word of a request that never came here: nothing of the engine's is held
+            self._ended = Phase.DROPPED
+            out += [self._result(t, False, "the prefill instance never saw this request")
+                    for t in held.targets.values() if not t.reported]
+            return out + [Drop()]
+        for target in held.targets.values():
+            if not target.reported:
+                target.error = target.error or "lease expired before the push completed"
+                out.append(self._result(target, False, target.error))
+                target.reported = True
+        return out + self._release("timed_out", f"lease of {self.terms.lease_s} s expired without the decode "
+                                                f"finishing")
