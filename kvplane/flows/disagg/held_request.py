@@ -204,12 +204,15 @@ class HeldRequest:
             return []
         if not ownership.may_register(held, reg.engine_id, reg.token):
             return [self._problem(sender, "the push registration's token does not match the request's")]
+        previous = held.targets.get((reg.engine_id, reg.rank))
+        if previous is not None and not previous.reported:  # never replace a standing target: its WRITE may run
+            if reg == previous.register:
+                return []  # the same registration again: it stands already
+            previous.error = previous.error or "registered twice, with another destination, while the first stood"
+            return self._event("register", [self._problem(sender, previous.error)])
         target = Target(peer, reg, layers, checked=held.known)
         if held.known:
             held.target_tp = reg.tp_size
-        previous = held.targets.get((reg.engine_id, reg.rank))
-        if previous is not None and previous.inflight:
-            target.error = "registered twice while the first push was in flight"
         held.targets[(reg.engine_id, reg.rank)] = target
         out: list[Action] = [Registered()]
         if held.finished:
