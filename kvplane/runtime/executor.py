@@ -30,25 +30,20 @@ from kvplane.runtime.jobs import JobQueue
 T = TypeVar("T")
 
 
-def _drain(jobs: JobQueue) -> None:
-    """The executor's thread: run jobs until the stop mark. Holds no job while it waits for the next one."""
-    while True:
-        job = jobs.take()
-        if job is None:
-            return
-        jobs.run(job)
-        job = None  # noqa: F841 (drop the reference before blocking: a finished job's owner can be collected)
-
-
 class Executor:
     """Jobs run one after another on a daemon thread named ``name``."""
+
+    post: Callable[..., None]
+    """``post(fn, *args, name=None)``: run ``fn(*args)`` like ``submit``, with no future; an exception it raises
+    is logged with ``name`` and goes no further. The cheap form for hot paths: it is the queue's own method."""
 
     def __init__(self, name: str, fix: str = "") -> None:
         """``fix`` ends the error raised for work handed over after ``close`` (default: "create a new one")."""
         self.name = name
         self._jobs = JobQueue(name, fix)
-        self._thread = threading.Thread(target=_drain, args=(self._jobs,), name=name, daemon=True)
-        self._thread.start()
+        self.post = self._jobs.post
+        self._thread = threading.Thread(target=self._jobs.drain, name=name, daemon=True)
+        self._thread.start()  # it holds the queue, not this executor
         self._finalizer = weakref.finalize(self, self._jobs.close)
         self._finalizer.atexit = False  # at exit the daemon thread is simply left, as any stuck job would be
 
@@ -65,11 +60,6 @@ class Executor:
         """Run ``fn`` after everything queued before it; its result or exception lands on the future.
         Raises ``ExecutorClosed`` after ``close``."""
         return self._jobs.submit(fn, name)
-
-    def post(self, fn: Callable[[], object], name: str | None = None) -> None:
-        """Like ``submit`` with no future: an exception ``fn`` raises is logged with ``name`` and goes no
-        further. The cheap form for hot paths."""
-        self._jobs.post(fn, name)
 
     def close(self, *, discard_pending: bool = False, wait: bool = True, timeout_s: float | None = None) -> bool:
         """Refuse new work; run what is queued (or drop it, cancelling its futures, with ``discard_pending``);

@@ -4,8 +4,8 @@ Every hand-off of work to another kvplane thread goes through one of these: an `
 thread of its own; the disaggregation I/O loop (``flows/disagg/loop.py``) drains it between socket polls. Both
 then behave alike:
 
-- ``submit`` returns a ``concurrent.futures.Future``; ``post`` is fire-and-forget (no future is made, for the
-  hot paths). Jobs run in the order they were queued.
+- ``submit`` returns a ``concurrent.futures.Future``; ``post`` is fire-and-forget (no future is made, and the
+  arguments ride in the job, so a hot path builds no closure or ``partial``). Jobs run in the order queued.
 - A job that raises is logged once, at ERROR with its traceback, naming the queue's owner and the job; a
   submitted job's exception is also set on its future, so the caller still gets it. Nothing a job raises
   escapes to the draining thread, which carries on with the next job.
@@ -30,17 +30,21 @@ from kvplane.errors import KvplaneError
 T = TypeVar("T")
 logger = logging.getLogger("kvplane.runtime")
 
-# (work, its future or None for fire-and-forget, its name or None to describe the callable)
-Job = tuple[Callable[[], Any], "Future[Any] | None", "str | None"]
+# (work, its arguments, its future or None for fire-and-forget, its name or None to describe the callable)
+Job = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any] | None", "str | None"]
+_NO_ARGS: tuple[Any, ...] = ()
 
 
 class ExecutorClosed(KvplaneError, RuntimeError):
     """Work was handed to an executor or loop after it was closed."""
 
 
-def describe(fn: Callable[..., Any]) -> str:
-    """A readable name for a job that was given none: its qualified name, or its repr (a ``partial``)."""
-    return getattr(fn, "__qualname__", None) or repr(fn)
+def describe(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> str:
+    """A readable name for a job that was given none: its qualified name (or repr, for a ``partial``), followed
+    by the names of the callables among its arguments, so a wrapper names the work it wraps."""
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    inner = [describe(arg) for arg in args if callable(arg)]
+    return f"{name}({', '.join(inner)})" if inner else name
 
 
 class JobQueue:
@@ -60,12 +64,18 @@ class JobQueue:
     def submit(self, fn: Callable[[], T], name: str | None = None) -> Future[T]:
         """Queue ``fn``; its result or exception lands on the returned future."""
         future: Future[T] = Future()
-        self._put((fn, future, name))
+        with self._lock:
+            if self._closed:
+                raise self._refusal()
+            self._queue.put((fn, _NO_ARGS, future, name))
         return future
 
-    def post(self, fn: Callable[[], object], name: str | None = None) -> None:
-        """Queue ``fn`` with no future: an exception it raises is logged, and that is all."""
-        self._put((fn, None, name))
+    def post(self, fn: Callable[..., object], *args: Any, name: str | None = None) -> None:
+        """Queue ``fn(*args)`` with no future: an exception it raises is logged, and that is all."""
+        with self._lock:  # inline, not a helper: this is the cpu stream's hot path
+            if self._closed:
+                raise self._refusal()
+            self._queue.put((fn, args, None, name))
 
     def close(self) -> bool:
         """Refuse work from now on and queue the stop mark; False when it was already closed."""
@@ -76,12 +86,23 @@ class JobQueue:
             self._queue.put(None)
         return True
 
-    def take(self, timeout_s: float | None = None) -> Job | None:
-        """The next job, waiting for one; None at the stop mark (or when ``timeout_s`` passed)."""
-        try:
-            return self._queue.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
+    def drain(self) -> None:
+        """Run jobs on the calling thread until the stop mark, waiting for each (an ``Executor``'s thread)."""
+        get, run, report = self._queue.get, self.run, self._report
+        while True:
+            job = get()
+            if job is None:
+                return
+            fn, args, future, name = job
+            if future is None:  # run() inlined for the fire-and-forget hot path
+                try:
+                    fn(*args)
+                except BaseException as e:
+                    report(fn, args, name, e)
+            else:
+                run(job)
+            del fn, args, future  # hold nothing while waiting: a finished job's owner can be collected
+            job = None
 
     def run_pending(self) -> int:
         """Run every job queued now, on the calling thread, without waiting for more; how many ran."""
@@ -106,8 +127,8 @@ class JobQueue:
                 break
             if job is not None:
                 dropped += 1
-                if job[1] is not None:
-                    job[1].cancel()
+                if job[2] is not None:
+                    job[2].cancel()
         if self._closed:
             self._queue.put(None)
         if dropped:
@@ -116,29 +137,26 @@ class JobQueue:
 
     def run(self, job: Job) -> None:
         """Run one job here: its result or exception goes to its future; an exception is logged once."""
-        fn, future, name = job
+        fn, args, future, name = job
         if future is None:
             try:
-                fn()
+                fn(*args)
             except BaseException as e:  # the draining thread must outlive any job
-                self._report(fn, name, e)
+                self._report(fn, args, name, e)
             return
         if not future.set_running_or_notify_cancel():
             return  # cancelled while queued
         try:
-            result = fn()
+            result = fn(*args)
         except BaseException as e:
-            self._report(fn, name, e)
+            self._report(fn, args, name, e)
             future.set_exception(e)
         else:
             future.set_result(result)
 
-    def _put(self, job: Job) -> None:
-        with self._lock:
-            if self._closed:
-                raise ExecutorClosed(f"{self.owner} is closed and takes no more work; {self._fix}")
-            self._queue.put(job)
+    def _refusal(self) -> ExecutorClosed:
+        return ExecutorClosed(f"{self.owner} is closed and takes no more work; {self._fix}")
 
-    def _report(self, fn: Callable[..., Any], name: str | None, error: BaseException) -> None:
-        logger.error("%s: job %s raised %s: %s", self.owner, name or describe(fn), type(error).__name__, error,
-                     exc_info=error)
+    def _report(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str | None, error: BaseException) -> None:
+        logger.error("%s: job %s raised %s: %s", self.owner, name or describe(fn, args), type(error).__name__,
+                     error, exc_info=error)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
 
 import pytest
@@ -219,3 +219,17 @@ def test_any_mix_of_jobs_runs_in_order_and_loses_no_exception(plan: list[tuple[s
             assert isinstance(future.exception(0), ValueError)
         else:
             assert future.result(0) == i
+
+
+def test_a_posted_wrapper_is_logged_with_the_name_of_the_work_it_wraps(records: Records) -> None:
+    def run_task(task: Callable[[], None], steps: int) -> None:
+        task()
+
+    def copy_layer() -> None:
+        raise OSError("bad address")
+
+    executor = Executor("kvplane-test-exec")
+    executor.post(run_task, copy_layer, 1)
+    executor.close()
+    assert len(records.lines) == 1
+    assert "run_task(" in records.lines[0] and "copy_layer)" in records.lines[0]

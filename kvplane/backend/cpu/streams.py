@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 from kvplane.errors import BackendError
@@ -136,14 +135,15 @@ class WorkerStream:
 
     def _enqueue(self, task: Callable[[], None], steps: int, reserve: int = 0) -> int:
         """Queue ``task``; returns the submitted count before it. ``reserve`` steps are advanced by the task
-        itself (``submit_parts``), ``steps`` by the worker once the task returns. Queued under the lock, so
-        tickets follow queue order even with several submitting threads."""
+        itself (``submit_parts``), ``steps`` by the worker once the task returns. Queued under the lock, so a
+        task counted before ``close`` is always queued before the executor's stop mark (and runs), and tickets
+        follow queue order whichever threads submit."""
         with self._lock:
             if self._closed:
                 raise BackendError("this cpu stream was closed; create a new one with backend.new_stream()")
             before = self.submitted
             self.submitted += steps + reserve
-            self._executor.post(partial(self._run, task, steps + reserve))
+            self._executor.post(self._run, task, steps + reserve)
         return before
 
     def _advance(self, steps: int) -> None:
