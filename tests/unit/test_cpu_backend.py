@@ -481,7 +481,28 @@ def test_a_closed_stream_finishes_its_queue_stops_its_thread_and_refuses_more_wo
         stream.submit(lambda i=i: ran.append(i))
     stream.close()
     assert ran == [0, 1, 2]
-    assert not stream._thread.is_alive()
+    assert not stream.alive
     with pytest.raises(BackendError, match="closed"):
         stream.submit(lambda: None)
     stream.close()  # closing twice is harmless
+
+
+def test_a_worker_stream_dropped_without_close_runs_its_queue_and_ends_its_thread() -> None:
+    import gc
+
+    from kvplane.backend.cpu.streams import WorkerStream
+
+    before = threading.active_count()
+    stream = WorkerStream()
+    ran: list[int] = []
+    for i in range(3):
+        stream.submit(lambda i=i: ran.append(i))
+    stream.synchronize()
+    del stream  # an offload engine's copy streams are never closed: each one used to keep a thread for good
+    gc.collect()
+    for _ in range(200):
+        if threading.active_count() == before:
+            break
+        threading.Event().wait(0.01)
+    assert ran == [0, 1, 2]
+    assert threading.active_count() == before

@@ -25,6 +25,10 @@ FORBIDDEN = {
     # the flows and transports call the recorder: it sits below them and reads them only through what they hand it
     "metrics": ("kvplane.backend", "kvplane.kv", "kvplane.plan", "kvplane.flows", "kvplane.transports",
                 "kvplane.integrations", "kvplane.bench", "kvplane.cli"),
+    # the threads that run kvplane's work (executor, job queue) sit at the bottom, beside errors: any layer uses them
+    "runtime": ("kvplane.backend", "kvplane.blocks", "kvplane.kv", "kvplane.plan", "kvplane.flows",
+                "kvplane.transports", "kvplane.metrics", "kvplane.integrations", "kvplane.proxy", "kvplane.bench",
+                "kvplane.cli", "kvplane.collectives", "kvplane.config", "kvplane.descriptors", "kvplane.logs"),
 }
 
 

@@ -1,7 +1,8 @@
 """Streams and events for the cpu backend.
 
-A ``WorkerStream`` is an ordered worker: one thread runs submitted tasks in submission order, like a device
-stream. A ``HostStream`` is the caller's own thread (cpu compute is synchronous), so work on it is done when
+A ``WorkerStream`` is an ordered worker, like a device stream: its tasks run in submission order on an
+``Executor`` of its own (``kvplane/runtime``: one daemon thread; a task that raises is logged there with its
+name). What the stream adds is the device's view of that order: tickets, events and poisoning. A ``HostStream`` is the caller's own thread (cpu compute is synchronous), so work on it is done when
 submitted. A failed task poisons its stream: the next ``synchronize`` or event wait raises the error instead
 of hiding it or hanging.
 
@@ -13,13 +14,13 @@ each step's event as it goes: one hand-off to the worker for a whole batch of la
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvplane.errors import BackendError
+from kvplane.runtime import Executor
 
 DEFAULT_TIMEOUT_S = 600.0
 POLL_S = 0.05  # how often a waiter re-checks its stream for a failure
@@ -55,14 +56,12 @@ class CpuEvent:
             self.synchronize()
 
 
-_Task = tuple[Callable[[], None] | None, int]  # (work, steps it completes); (None, 0) stops the worker
-
-
 class WorkerStream:
-    """Tasks run one after another on a dedicated daemon thread."""
+    """Tasks run one after another on a dedicated daemon thread. A stream dropped without ``close`` still ends
+    its thread once its queued tasks have run."""
 
     def __init__(self, name: str = "kvplane-cpu-stream") -> None:
-        self._queue: queue.SimpleQueue[_Task] = queue.SimpleQueue()
+        self._executor = Executor(name, fix="create a new one with backend.new_stream()")
         self._error: BaseException | None = None
         self.submitted = 0  # steps enqueued (written by the submitting thread, under the lock)
         self.completed = 0  # steps done or skipped (written by the worker, under the lock)
@@ -70,8 +69,11 @@ class WorkerStream:
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the stream's thread still runs (it ends once the stream is closed and drained)."""
+        return self._executor.alive
 
     def submit(self, task: Callable[[], None]) -> None:
         self._enqueue(task, 1)
@@ -125,8 +127,7 @@ class WorkerStream:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put((None, 0))
-        self._thread.join()
+        self._executor.close()
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
@@ -134,13 +135,15 @@ class WorkerStream:
 
     def _enqueue(self, task: Callable[[], None], steps: int, reserve: int = 0) -> int:
         """Queue ``task``; returns the submitted count before it. ``reserve`` steps are advanced by the task
-        itself (``submit_parts``), ``steps`` by the worker once the task returns."""
+        itself (``submit_parts``), ``steps`` by the worker once the task returns. Queued under the lock, so a
+        task counted before ``close`` is always queued before the executor's stop mark (and runs), and tickets
+        follow queue order whichever threads submit."""
         with self._lock:
             if self._closed:
                 raise BackendError("this cpu stream was closed; create a new one with backend.new_stream()")
             before = self.submitted
             self.submitted += steps + reserve
-        self._queue.put((task, steps if not reserve else -reserve))
+            self._executor.post(self._run, task, steps + reserve)
         return before
 
     def _advance(self, steps: int) -> None:
@@ -148,22 +151,18 @@ class WorkerStream:
             self.completed += steps
             self._progress.notify_all()
 
-    def _run(self) -> None:
-        while True:
-            task, steps = self._queue.get()
-            if task is None:
-                return
-            done_by_task = 0
+    def _run(self, task: Callable[[], None], steps: int) -> None:
+        """On the worker: run ``task`` unless the stream failed before, then complete what it did not."""
+        before = self.completed
+        try:
             if self._error is None:  # once failed, later tasks are skipped, not run on bad state
-                before = self.completed
-                try:
-                    task()
-                except BaseException as e:
-                    self._good = self.completed
-                    self._error = e
-                done_by_task = self.completed - before
-            # a plain task completes its step now; a task of parts completes what it did not get to
-            left = steps if steps > 0 else -steps - done_by_task
+                task()
+        except BaseException as e:
+            self._good = self.completed
+            self._error = e
+            raise  # the executor logs it once, naming the task
+        finally:
+            left = steps - (self.completed - before)  # a task of parts completed some steps itself
             if left:
                 self._advance(left)
             elif self._error is not None:

@@ -7,6 +7,12 @@ waits on the loop: after every pass the loop calls ``publish``, which hands what
 leases, send heartbeats), which says how soon it wants to run again. Work that may block (transfers, probing a
 peer's transport) runs on other threads and comes back through ``submit``. A handler that raises is logged and
 the loop carries on: one bad message or bug in one request never takes the listener down.
+
+The commands are a ``JobQueue`` (``kvplane/runtime``), the same queue an ``Executor`` drains, so they behave as
+every other hand-off does: in order, a command that raises is logged with its name (the sides drop the futures
+``submit`` returns) as well as set on its future, and a stopped loop refuses work. The loop is not an
+``Executor`` itself: its thread waits in a ZMQ poll, not on the queue, and runs the tick and the socket
+handlers between commands; ``submit`` wakes the poll through an inproc socket.
 """
 
 from __future__ import annotations
@@ -14,15 +20,15 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import zmq
 
 from kvplane.flows.disagg.errors import DisaggError
+from kvplane.runtime import ExecutorClosed, JobQueue
 
 T = TypeVar("T")
 logger = logging.getLogger("kvplane.disagg")
@@ -36,7 +42,7 @@ class IOLoop:
         self.context = zmq.Context()
         self._tick = tick
         self._publish = publish
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._commands = JobQueue(name, "create a new side")
         address = f"inproc://kvplane-wake-{next(_ids)}"
         self._wake_rx = self.context.socket(zmq.PAIR)
         self._wake_rx.bind(address)
@@ -46,7 +52,6 @@ class IOLoop:
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._handlers: dict[zmq.Socket[bytes], Callable[[zmq.Socket[bytes]], None]] = {}
-        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -57,36 +62,39 @@ class IOLoop:
         return threading.current_thread() is self._thread
 
     # -- from any thread ----------------------------------------------------------------------------------
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` on the loop thread soon; returns at once."""
-        future: Future[T] = Future()
-        if self._stopping:
+    def submit(self, fn: Callable[[], T], name: str | None = None) -> Future[T]:
+        """Run ``fn`` on the loop thread soon; returns at once. An exception it raises is logged (with ``name``,
+        or the callable's) and set on the future."""
+        try:
+            future = self._commands.submit(fn, name)
+        except ExecutorClosed:
+            future = Future()
             future.set_exception(DisaggError(f"{self.name} is closed; create a new side"))
             return future
-        self._commands.put((fn, future))
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.Again:  # the loop is already due to wake: a pending wake-up is enough
-                pass
+        self._wake()
         return future
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self._stopping:
+        """Run the commands queued so far, then end the thread (waiting up to ``timeout_s`` unless called from
+        the loop itself). Stopping twice is harmless."""
+        if not self._commands.close():
             return
-        self.submit(lambda: None)
-        self._stopping = True
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.Again:
-                pass
+        self._wake()
         if self._thread.is_alive() and not self.on_loop:
             self._thread.join(timeout_s)
         with self._wake_lock:
             self._wake_tx.close(linger=0)
         if not self._thread.is_alive():
             self.context.term()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_tx.closed:  # stopped meanwhile: the loop drains the queue once more before it ends
+                return
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # the loop is already due to wake: a pending wake-up is enough
+                pass
 
     # -- on the loop thread -------------------------------------------------------------------------------
     def watch(self, socket: zmq.Socket[bytes], handler: Callable[[zmq.Socket[bytes]], None]) -> None:
@@ -100,8 +108,9 @@ class IOLoop:
 
     def _run(self) -> None:
         while True:
-            self._run_commands()
-            if self._stopping:
+            stopping = self._commands.closed  # read first: every command accepted before stop is queued now
+            self._commands.run_pending()
+            if stopping:
                 break
             try:
                 wait_s = min(max(self._tick(), 0.0), MAX_WAIT_S)
@@ -121,7 +130,7 @@ class IOLoop:
                         handler(socket)
                     except Exception:
                         logger.exception("%s: a message handler failed; the message is dropped", self.name)
-            self._run_commands()
+            self._commands.run_pending()
             try:
                 self._publish()
             except Exception:
@@ -129,16 +138,3 @@ class IOLoop:
         for socket in list(self._handlers):
             self.unwatch(socket)
         self._wake_rx.close(linger=0)
-
-    def _run_commands(self) -> None:
-        while True:
-            try:
-                fn, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # handed to whoever waits on the future
-                future.set_exception(e)

@@ -5,7 +5,8 @@ NIXL's ``transfer()`` and ``check_xfer_state`` copy synchronously on the calling
 they held handshakes, heartbeats and every engine call behind a transfer. So a ``Mover`` runs an ``Outbox`` on
 a thread of its own: the loop ``put``s plans (returns at once), and each plan's callback is handed back to the
 loop (``deliver``), where the request's state lives. ``moving`` counts plans put and not yet called back; it
-is read and written on the loop thread only.
+is read and written on the loop thread only. The thread is not a ``kvplane.runtime.Executor``: it does not
+wait for the next job but polls the transfers in flight, and a fence or a restart may be due with no plan queued.
 
 The fence: a plan's callback runs only once the engine can no longer move a byte of it. A transfer that ended
 unsettled (timed out while the engine kept it queued, as over a link that is down) makes the mover reset the

@@ -87,7 +87,9 @@ Done = Callable[[str, str], None]  # (handle, error): exactly one of them is non
 
 class Prober:
     """Connects the transport to peers on short-lived threads; ``done`` runs on the loop (via ``deliver``),
-    exactly once per ``connect``: with the handle, or with the error, or with a timeout from ``expire``."""
+    exactly once per ``connect``: with the handle, or with the error, or with a timeout from ``expire``.
+    A thread per connect (bounded by ``MAX_PROBE_THREADS``), not one ``Executor``: a connect stuck for a minute
+    on a silent listener must not hold up the connects behind it."""
 
     def __init__(self, transport: Transport, deliver: Callable[[Callable[[], None]], object], timeout_s: float
                  ) -> None:

@@ -3,25 +3,26 @@
 The offload engine puts whole host blocks under their prefix keys (``keys.py``) and gets them back into host
 blocks; both go straight from and into the registered host pool (``batch_put_from`` / ``batch_get_into``).
 
-A store that stops answering must never fail or hang a request. Every Mooncake call runs on a daemon worker
-thread, and the caller waits at most ``timeout_s`` plus the call's bytes at ``min_gbps``. The client's health is
-a value, not a call: a monitor thread asks ``health_check`` every ``health_interval_s`` and keeps the answer
-(``StoreTier.healthy``), so a lookup made under the connector's worker lock reads it without waiting. A call
-past its bound, a client that reports itself unhealthy, a call answered with ``RPC_FAIL`` (the real client
-keeps reporting healthy for about a second after its master dies), or a setup that does not finish (against a
-dead master ``setup`` itself takes about 90 s) turns the tier off with one warning; once ``retry_after_s`` has
-passed and the monitor reports the client healthy, the next call turns it back on. A call that
-timed out may still be running: the caller keeps the host blocks it reads or writes pinned until its future
-completes (``StoreWrite.done``), so a late transfer never sees a reused block.
+A store that stops answering must never fail or hang a request. Every Mooncake call runs on one of two daemon
+executors (``kvplane/runtime``: puts and gets on one; setup, existence checks and ``close`` on the other, so a
+lookup never queues behind bulk I/O), and the caller waits at most ``timeout_s`` plus the call's bytes at
+``min_gbps``. The client's health is a value, not a call: a monitor thread asks ``health_check`` every
+``health_interval_s`` and keeps the answer (``StoreTier.healthy``; a thread of its own, a timer rather than a queue
+of calls, so it keeps reporting while a call hangs on the query executor), so a lookup made under the connector's
+worker lock reads it without waiting. A call past its bound, a client that reports itself unhealthy, a call
+answered with ``RPC_FAIL`` (the real client keeps reporting healthy for about a second after its master dies), or a
+setup that does not finish (against a dead master ``setup`` itself takes about 90 s) turns the tier off with one
+warning; once ``retry_after_s`` has passed and the monitor reports the client healthy, the next call turns it back
+on. A call that timed out may still be running: the caller keeps the host blocks it reads or writes pinned until
+its future completes (``StoreWrite.done``), so a late transfer never sees a reused block.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from kvplane.flows.offload.config import StoreConfig
 from kvplane.flows.offload.errors import StoreError
 from kvplane.logs import quiet_engine_logs
 from kvplane.metrics import recorder
+from kvplane.runtime import Executor
 
 logger = logging.getLogger("kvplane.offload.store")
 
@@ -53,32 +55,6 @@ def _abandon(client: Any) -> None:
     for seconds (seen: about 5 s per client, at interpreter exit too). A daemon thread's frame is not freed at
     exit, so a process with an abandoned client still ends at once."""
     threading.Thread(target=_hold, args=(client,), name="kvplane-store-abandoned", daemon=True).start()
-
-
-class _Worker:
-    """One daemon thread running calls in order; a stuck call never keeps the process from exiting."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        self._queue.put((fn, future))
-        return future
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # handed to whoever waits on the future
-                future.set_exception(e)
 
 
 @dataclass
@@ -109,8 +85,8 @@ class StoreTier:
     def __init__(self, config: StoreConfig, client: Any = None) -> None:
         self.config = config
         self._client = client if client is not None else _load_client_class()()
-        self._io = _Worker("kvplane-store-io")  # puts and gets, in order
-        self._query = _Worker("kvplane-store-query")  # setup, existence checks: never queued behind bulk I/O
+        self._io = Executor("kvplane-store-io")  # puts and gets, in order
+        self._query = Executor("kvplane-store-query")  # setup, existence checks: never queued behind bulk I/O
         self._buffers: list[tuple[int, int]] = []
         self._registered = False
         self._down_reason: str | None = None
@@ -125,7 +101,8 @@ class StoreTier:
                     c.local_hostname, c.metadata_server, c.segment_bytes, c.local_buffer_bytes, c.protocol,
                     c.device_name, c.master_address,
                 )
-            )
+            ),
+            "setup",
         )
         try:
             rc = self._setup.result(c.setup_timeout_s)
@@ -220,7 +197,8 @@ class StoreTier:
 
     def _register(self) -> None:
         for ptr, nbytes in self._buffers:
-            rc = self._wait(self._query.submit(partial(self._client.register_buffer, ptr, nbytes)), "register_buffer")
+            rc = self._wait(self._query.submit(partial(self._client.register_buffer, ptr, nbytes), "register_buffer"),
+                            "register_buffer")
             if rc != 0:
                 if rc is not None:
                     self._degrade(f"register_buffer of {nbytes} B returned {rc}")
@@ -232,7 +210,8 @@ class StoreTier:
         """How many leading ``keys`` the store holds; 0 when it is down or does not answer in time."""
         if not keys or not self.up:
             return 0
-        found = self._wait(self._query.submit(lambda: list(self._client.batch_is_exist(list(keys)))), "batch_is_exist")
+        exist = self._query.submit(lambda: list(self._client.batch_is_exist(list(keys))), "batch_is_exist")
+        found = self._wait(exist, "batch_is_exist")
         if found is None:
             return 0
         if found and all(int(f) < 0 for f in found):
@@ -251,7 +230,7 @@ class StoreTier:
             return None
         k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
         put = partial(self._client.batch_put_from, k, a, s)
-        return self._io.submit(recorder().store_call("write", s, lambda: [int(rc) for rc in put()]))
+        return self._io.submit(recorder().store_call("write", s, lambda: [int(rc) for rc in put()]), "batch_put_from")
 
     def put_deadline(self, nbytes: int) -> float:
         return time.monotonic() + self._bound(nbytes)
@@ -286,7 +265,7 @@ class StoreTier:
             return [False] * len(keys), None
         k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
         get = partial(self._client.batch_get_into, k, a, s)
-        future = self._io.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]))
+        future = self._io.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]), "batch_get_into")
         got = self._wait(future, "batch_get_into", sum(s))
         if got is None:
             return [False] * len(keys), future
@@ -296,20 +275,19 @@ class StoreTier:
         return ok, future
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Close the client when it is healthy (bounded); an unreachable one is abandoned, never waited on."""
+        """Close the client when it is healthy (bounded); an unreachable one is abandoned, never waited on.
+        Queued calls still run (a put's blocks stay pinned until its future is done); nothing waits for them."""
         self._stop.set()
-        self._io.stop()
-        self._query.stop()
+        self._io.close(wait=False)
         if self._down_reason is None and self._setup.done():
-            done = threading.Event()
-
-            def close() -> None:
-                try:
-                    self._client.close()
-                finally:
-                    done.set()
-
-            threading.Thread(target=close, name="kvplane-store-close", daemon=True).start()
-            if done.wait(timeout_s):
+            closing = self._query.submit(self._client.close, "close")  # after the queries queued before it
+            self._query.close(wait=False)
+            try:
+                closing.result(timeout_s)
                 return
+            except FutureTimeout:
+                pass  # still closing: abandoned below, never waited on again
+            except Exception:  # the executor logged it; the client is closed as far as it goes
+                return
+        self._query.close(wait=False)
         _abandon(self._client)
