@@ -117,6 +117,10 @@ class DecodeSide(SideLifecycle):
         self._loop.start()
         watch_side(self, "decode")
 
+    def close(self) -> None:
+        super().close()
+        self._starter.close()
+
     # -- engine-facing ------------------------------------------------------------------------------------
     def start_pull(
         self, request_id: str, params: TransferParams | Mapping[str, Any], block_ids: PerGroup,

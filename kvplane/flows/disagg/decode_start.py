@@ -23,12 +23,13 @@ from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.records import Conn, Want
 from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
-from kvplane.flows.disagg.staged_pull import Relayouts, StagedPull
+from kvplane.flows.disagg.staged_pull import StagedPull
 from kvplane.flows.disagg.staging import ALIGN
 from kvplane.flows.disagg.staging_chunks import Chunk, chunk_bound, split_staged
 from kvplane.kv.manifest import Manifest
 from kvplane.plan.planner import StagedLayer, TransferPlan
 from kvplane.plan.relayout import apply_relayout
+from kvplane.runtime.executor import Executor
 
 if TYPE_CHECKING:
     from kvplane.flows.disagg.decode import DecodeSide
@@ -44,7 +45,11 @@ def _stride(nbytes: int) -> int:
 class Starter:
     def __init__(self, side: DecodeSide) -> None:
         self.side = side
-        self.relayouts = Relayouts(f"kvplane-decode-{side.config.rank}-relayout")
+        self.relayouts = Executor(f"kvplane-decode-{side.config.rank}-relayout")
+
+    def close(self) -> None:
+        """Drop re-layouts not begun (the side is closing: nobody reports them), and let a running one end."""
+        self.relayouts.close(discard_pending=True, timeout_s=5.0)
 
     def start(self, want: Want) -> None:
         """Plan the request, take its staging room and submit its READs (pull) or send its registration (push);

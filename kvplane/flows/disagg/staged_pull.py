@@ -2,8 +2,9 @@
 
 ``Starter`` makes a ``StagedPull`` for a request whose layers must be staged (``staging_chunks`` cut them into
 chunks) and hands it the range it took: one or two slots. Each free slot READs the next chunk on the side's
-transfer thread (``Mover``); once that READ ended, the chunk is re-laid out into the cache by a ``Relayouts``
-job, off the I/O loop, and the slot takes the next chunk. With two slots, one chunk is READ while the other
+transfer thread (``Mover``); once that READ ended, the chunk is re-laid out into the cache on the side's re-layout
+``Executor`` (one thread for the side's life, which also keeps its OpenMP team warm), off the I/O loop, and the
+slot takes the next chunk. With two slots, one chunk is READ while the other
 is re-laid out. Re-layouts of all requests run one at a time on one thread: two of them may write the same
 destination blocks (a decode rank that takes heads from two prefill ranks), and each rewrites whole blocks.
 
@@ -17,9 +18,7 @@ the loop thread; only ``_relayout`` runs on the re-layout thread.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
-from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -28,6 +27,7 @@ from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.records import Want
 from kvplane.flows.disagg.staging_chunks import Chunk
 from kvplane.plan.relayout import apply_relayout
+from kvplane.runtime.executor import Executor
 
 if TYPE_CHECKING:
     from kvplane.flows.disagg.decode import DecodeSide
@@ -35,45 +35,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvplane.disagg")
 
 
-class Relayouts:
-    """A thread that runs re-layout jobs in order: started when a job comes, and gone once none came for
-    ``LINGER_S`` (kept warm between chunks and requests: a fresh thread also starts a fresh OpenMP team)."""
-
-    LINGER_S = 5.0
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: deque[Callable[[], None]] = deque()
-        self._wake = threading.Condition()
-        self._running = False
-
-    def put(self, job: Callable[[], None]) -> None:
-        with self._wake:
-            self._jobs.append(job)
-            self._wake.notify()
-            if self._running:
-                return
-            self._running = True
-        threading.Thread(target=self._run, name=self.name, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                if not self._jobs:
-                    self._wake.wait(self.LINGER_S)
-                if not self._jobs:
-                    self._running = False
-                    return
-                job = self._jobs.popleft()
-            try:
-                job()
-            except Exception:  # a job reports its own errors; this is a bug, and the next job still runs
-                logger.exception("kvplane %s: a re-layout job failed; carrying on", self.name)
-
-
 class StagedPull:
     def __init__(self, side: DecodeSide, want: Want, chunks: list[Chunk], offset: int, slots: list[int],
-                 slot_bytes: int, direct_ranks: set[int], relayouts: Relayouts) -> None:
+                 slot_bytes: int, direct_ranks: set[int], relayouts: Executor) -> None:
         self.side, self.want, self.relayouts = side, want, relayouts
         self.offset, self.slot_bytes = offset, slot_bytes
         self._queue = deque(chunks)
@@ -119,7 +83,7 @@ class StagedPull:
             self._errors.setdefault(chunk.rank, error)
             self._chunk_done(chunk, slot)
             return
-        self.relayouts.put(lambda: self._relayout(chunk, slot))
+        self.relayouts.post(self._relayout, chunk, slot, name="re-layout of a staged chunk")
 
     def _relayout(self, chunk: Chunk, slot: int) -> None:  # on the re-layout thread
         error: KvplaneError | None = None
