@@ -209,7 +209,7 @@ class NixlTransport(Transport):
             agent, memory = self._live(), (self.mem_type, self.dev_id)
             prepared = self._prep.plan(agent, peer, local_remote(op, plan), plan.length,
                                        (self._spans, self._peer_spans[peer]), memory)
-            transfer = NixlTransfer(agent, self.lock, memory, self.config, job, prepared)
+            transfer = NixlTransfer(agent, self.lock, memory, self.config, job, prepared, self._prep.stats)
             self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
             transfer.start()
         return transfer

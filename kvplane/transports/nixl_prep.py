@@ -36,13 +36,20 @@ IndexArray = npt.NDArray[np.int32]
 @dataclass
 class PrepStats:
     """Which path each submitted plan took: ``prepped`` (index arrays into prepared lists) or ``unprepped``
-    (descriptor lists built per request), why not (``reasons``), and the lists made (``preps``, ``prep_ms``)."""
+    (descriptor lists built per request), why not (``reasons``), the lists made (``preps``, ``prep_ms``), and
+    the time spent making NIXL requests on each path (``make_ms``: the index arrays and ``make_prepped_xfer``, or
+    the descriptor tables, ``get_xfer_descs`` and ``initialize_xfer``; the ``transfer`` that follows is not in
+    it)."""
 
     prepped: int = 0
     unprepped: int = 0
     preps: int = 0
     prep_ms: float = 0.0  # all prep_xfer_dlist calls so far
     reasons: dict[str, int] = field(default_factory=dict)
+    make_ms: dict[str, float] = field(default_factory=lambda: {"prepped": 0.0, "unprepped": 0.0})
+
+    def made(self, prepped: bool, seconds: float) -> None:
+        self.make_ms["prepped" if prepped else "unprepped"] += seconds * 1e3
 
     def fell_back(self, reason: str) -> None:
         self.unprepped += 1
@@ -50,7 +57,8 @@ class PrepStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"prepped": self.prepped, "unprepped": self.unprepped, "preps": self.preps,
-                "prep_ms": round(self.prep_ms, 3), "reasons": dict(self.reasons)}
+                "prep_ms": round(self.prep_ms, 3), "reasons": dict(self.reasons),
+                "make_ms": {k: round(v, 3) for k, v in self.make_ms.items()}}
 
 
 @dataclass(frozen=True)
@@ -228,8 +236,10 @@ class Prepper:
         key = (tuple(local_spans), tuple(remote_spans))
         lists = self._lists.get(peer)
         if lists is not None and lists.key == key:
+            began = time.perf_counter()
             prepared = lists.prepared(sides[0], sides[1], lengths)
             if prepared is not None:
+                self.stats.made(True, time.perf_counter() - began)
                 self.stats.prepped += 1
                 return prepared
         previous = lists.grids if lists is not None and lists.key == key else None
@@ -250,7 +260,9 @@ class Prepper:
         self.stats.prep_ms += (time.perf_counter() - began) * 1e3
         self.stats.preps += 1
         self._lists[peer] = lists
+        began = time.perf_counter()
         prepared = lists.prepared(sides[0], sides[1], lengths)
+        self.stats.made(True, time.perf_counter() - began)
         if prepared is None:  # cannot happen: the grids were fitted to this plan
             self.stats.fell_back("plan off its own grid")
             return None

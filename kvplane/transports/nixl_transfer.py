@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from threading import RLock
 
     from kvplane.transports.base import TransportConfig
-    from kvplane.transports.nixl_prep import Prepared
+    from kvplane.transports.nixl_prep import Prepared, PrepStats
 
 POLL_INTERVAL_S = 0.0002  # wait() sleeps this long between polls; NIXL's progress thread moves the data
 PERMANENT = ("nixlNotFoundError", "nixlInvalidParamError", "nixlRemoteDisconnectError")
@@ -46,10 +46,12 @@ class NixlTransfer(ChunkedTransfer):
         config: TransportConfig,
         job: Job,
         prepared: Prepared | None = None,
+        stats: PrepStats | None = None,
     ) -> None:
         super().__init__(config, job)
         self._agent, self._lock = agent, lock
         self._prepared = prepared  # None: descriptor lists built per chunk
+        self._stats = stats  # where the time making requests is added up
         self._mem_type, self._dev_id = memory
         self._attempt = 0  # failed attempts of the chunk in flight
         self._retry_at = 0.0
@@ -163,14 +165,17 @@ class NixlTransfer(ChunkedTransfer):
         mem, dev = self._mem_type, self._dev_id
         length = self._length[start:stop]
         try:
+            began = time.perf_counter()
             if self._prepared is not None:
                 lidx, ridx = self._prepared.chunk(start, stop)
                 lists = self._prepared.lists
                 self._handle = agent.make_prepped_xfer(self._op, lists.local, lidx, lists.remote, ridx, notify)
-                return str(agent.transfer(self._handle))
-            local = agent.get_xfer_descs(descriptor_table(self._local[start:stop], length, dev), mem)
-            remote = agent.get_xfer_descs(descriptor_table(self._remote[start:stop], length, dev), mem)
-            self._handle = agent.initialize_xfer(self._op, local, remote, self._peer, notify)
+            else:
+                local = agent.get_xfer_descs(descriptor_table(self._local[start:stop], length, dev), mem)
+                remote = agent.get_xfer_descs(descriptor_table(self._remote[start:stop], length, dev), mem)
+                self._handle = agent.initialize_xfer(self._op, local, remote, self._peer, notify)
+            if self._stats is not None:
+                self._stats.made(self._prepared is not None, time.perf_counter() - began)
             return str(agent.transfer(self._handle))
         except Exception as e:
             return self._refused(e)
