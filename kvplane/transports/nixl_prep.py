@@ -179,6 +179,9 @@ class PeerLists:
         if first_l is None or first_r is None:
             return None
         per = lengths // unit
+        if bool((per == 1).all()):  # one entry per descriptor (scattered blocks): no expansion
+            bounds = np.arange(per.size + 1, dtype=np.int64)
+            return Prepared(self, first_l.astype(np.int32), first_r.astype(np.int32), bounds)
         bounds = np.concatenate(([0], np.cumsum(per))).astype(np.int64)
         step = np.arange(int(bounds[-1]), dtype=np.int64) - np.repeat(bounds[:-1], per)  # 0..k-1 per descriptor
         lidx = (np.repeat(first_l, per) + step).astype(np.int32)
