@@ -9,12 +9,17 @@ baseline still moves one descriptor per block and layer (what the engine moves f
 Block ids are ``scatter`` (random) or ``runs`` (mostly consecutive, as a fresh request's are; the planner
 coalesces them, the raw baseline does not). ``ratio`` is kvplane's speed over raw's (raw seconds over kvplane seconds). Bytes are verified once, right after
 kvplane's first transfer (before the raw engine touches the same blocks), by comparing block digests.
+
+NIXL rows move kvplane's plan through descriptor lists prepared once per peer (``make_prepped_xfer``); in the
+same reps the same plan also moves unprepared (descriptor lists built per request, ``initialize_xfer``), shown
+as ``unprepped_ms`` and ``prepped_speedup``. ``first_request_ms`` is kvplane's first transfer, which prepares
+the lists (``prep_ms``); ``prep_paths`` counts the path each plan took.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,9 +31,10 @@ from kvplane.bench.models import model_spec
 from kvplane.bench.peer import CacheConfig, KVBuffer, PeerConfig, PeerProcess
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenario import Scenario
-from kvplane.bench.timing import interleave
+from kvplane.bench.timing import MIN_REPS, Samples, interleave, timed, timed_cpu
 from kvplane.plan.planner import plan_transfer
 from kvplane.transports.base import Op, Transport, TransportConfig
+from kvplane.transports.nixl import NixlTransport
 from kvplane.transports.registry import get_transport_class
 
 LayoutNames = str | Mapping[str, str]  # one layout name, or one per family (the peer takes names)
@@ -104,11 +110,13 @@ def run_pd(
     def raw() -> None:
         pair.transport.raw_move(pair.handle, op, raw_plan)
 
+    nixl = pair.transport if isinstance(pair.transport, NixlTransport) else None
     if op == "WRITE":
         pair.peer.call("zero")
-    ours()
+    first_s = timed(ours)
     verified = pair.local.digest(local_ids) == pair.peer.call("digest", block_ids=remote_ids.tolist())
-    samples = interleave(ours, raw, warmup=0)
+    unprepped: list[float] = []
+    samples = interleave(ours, raw, warmup=0) if nixl is None else _with_unprepped(ours, raw, nixl, unprepped)
     return make_result(
         scenario=name or f"pd-{engine}-{model}-{op.lower()}" + ("" if pattern == "scatter" else f"-{pattern}"),
         kind="pd",
@@ -130,8 +138,47 @@ def run_pd(
             "plan_ms": round(plan_s * 1e3, 3),
             "sides": "two processes on 127.0.0.1",
             "cache": "cross-layer" if cross_layer else "per-layer",
+            "first_request_ms": round(first_s * 1e3, 1),
+            **(_prep_params(nixl, unprepped, samples.median) if nixl is not None else {}),
         },
     )
+
+
+def _with_unprepped(ours: Callable[[], None], raw: Callable[[], None], nixl: NixlTransport,
+                    unprepped: list[float]) -> Samples:
+    """``interleave``'s reps with a third run each: kvplane's plan again with prepared lists off."""
+
+    def plain() -> None:
+        nixl.use_prepped = False
+        try:
+            ours()
+        finally:
+            nixl.use_prepped = True
+
+    samples = Samples()
+    for _ in range(MIN_REPS):
+        wall, cpu = timed_cpu(ours)
+        samples.ours.append(wall)
+        samples.cpu.append(cpu)
+        samples.baseline.append(timed(raw))
+        unprepped.append(timed(plain))
+    return samples
+
+
+def _prep_params(nixl: NixlTransport, unprepped: list[float], prepped_s: float) -> dict[str, object]:
+    """What NIXL's prepared lists bought: the unprepared path's median beside the prepared one, and the paths
+    the plans took (counted since the pair started)."""
+    unprepped_s = float(np.median(unprepped))
+    stats = nixl.prep_stats
+    per = {k: v / n for k, v, n in (("prepped", stats.make_ms["prepped"], stats.prepped),
+                                      ("unprepped", stats.make_ms["unprepped"], stats.unprepped)) if n}
+    return {
+        "make_ms_per_request": {k: round(v, 3) for k, v in per.items()},
+        "unprepped_ms": round(unprepped_s * 1e3, 1),
+        "prepped_speedup": round(unprepped_s / prepped_s, 3) if prepped_s > 0 else 0.0,
+        "prep_ms": round(stats.prep_ms, 3),
+        "prep_paths": stats.as_dict(),
+    }
 
 
 def scenario(

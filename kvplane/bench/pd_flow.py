@@ -13,6 +13,8 @@ moves one descriptor per block and layer slot either way, as a raw engine does w
 Caches are per-layer tensors, or (``cross_layer``, the ``-xl`` rows) vLLM's one tensor for all layers on both
 sides, where a block of every layer is one descriptor; the baseline still moves one per block and layer.
 
+NIXL rows report ``prep_paths``: how many of the moving side's plans went through its prepared descriptor lists.
+
 Layer-wise push runs the prefill as ``PREFILL_COMPUTE_S`` of simulated compute split evenly over the layers
 (seed 001's local prefill of 10k tokens took 470 ms), saving each layer as it ends. In the same run a whole-request
 push of the same blocks is timed; ``hidden`` is the share of that push's time that no longer shows after prefill
@@ -43,6 +45,7 @@ from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide, Transfer
 from kvplane.kv.binding import LayoutChoice
 from kvplane.plan.planner import plan_transfer
 from kvplane.transports.base import Op, Transport
+from kvplane.transports.nixl import NixlTransport
 
 Mode = Literal["pull", "push", "layerwise"]
 BLOCK_TOKENS = 16
@@ -186,6 +189,8 @@ def run_flow(
         "sides": "one process, two transport engines on 127.0.0.1",
         "cache": "cross-layer" if cross_layer else "per-layer",
     }
+    if isinstance(mover, NixlTransport):  # which path the flow's plans took (prepared lists or not), and why
+        params["prep_paths"] = mover.prep_stats.as_dict()
     if mode == "layerwise":
         push_s = statistics.median(pushes)
         params.update({

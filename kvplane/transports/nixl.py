@@ -3,7 +3,9 @@ metadata.
 
 Flows create it through the transport registry. ``PeerInfo.metadata`` carries this agent's metadata (taken
 after ``register``, so it names the registered memory); ``connect`` loads a peer's with ``add_remote_agent``.
-A plan becomes one NIXL request per chunk (``initialize_xfer`` + ``transfer``), driven by ``poll``: NIXL's
+A plan becomes one NIXL request per chunk, driven by ``poll``: index arrays into descriptor lists prepared
+once per peer (``make_prepped_xfer``, ``nixl_prep``), or where a plan does not map onto them, descriptor lists
+built for the request (``initialize_xfer``); ``prep_stats`` counts which path each plan took. NIXL's
 own progress thread moves the bytes, and ``poll`` checks the state, starts the next chunk and retries.
 ``notify`` is attached to the last chunk, which starts only after every earlier one is done; NIXL delivers a
 request's notification once its data has landed. The package is ``nixl_cu12`` or ``nixl_cu13`` (both run
@@ -12,6 +14,7 @@ CPU-only), imported on first use. Methods may be called from several threads (on
 ``reset`` is the fence for a transfer NIXL left in flight (a timeout while the link is down): it drops the
 agent, which closes its UCX workers and their connections, so nothing queued before can land; then it starts
 an agent of the same name on the same memory and loads every connected peer's metadata again (same handles).
+Prepared lists belong to the dropped agent: they go with it and are made again on each peer's next plan.
 Its own metadata changes: a peer that writes here must load it again (a new handshake).
 """
 
@@ -41,6 +44,7 @@ from kvplane.transports.batching import (
     descriptor_table,
 )
 from kvplane.transports.chunked import Job
+from kvplane.transports.nixl_prep import Prepper, PrepStats
 from kvplane.transports.nixl_transfer import NixlTransfer
 from kvplane.transports.restarts import RestartBackoff
 
@@ -90,6 +94,7 @@ class NixlTransport(Transport):
         self._peer_metadata: dict[str, bytes] = {}
         self._unloaded: set[str] = set()  # peers whose metadata a restarted agent could not load yet
         self._transfers: list[NixlTransfer] = []
+        self._prep = Prepper()
         self._closed = False
 
     @classmethod
@@ -101,6 +106,20 @@ class NixlTransport(Transport):
         except Exception as e:  # available() must not raise
             return False, f"NIXL probe raised {type(e).__name__}: {e}"
         return True, f"{module} (UCX backend)"
+
+    @property
+    def prep_stats(self) -> PrepStats:
+        """How many plans went through prepared descriptor lists and how many did not (and why)."""
+        return self._prep.stats
+
+    @property
+    def use_prepped(self) -> bool:
+        """Whether plans may use prepared descriptor lists (True by default; the bench turns it off to compare)."""
+        return self._prep.enabled
+
+    @use_prepped.setter
+    def use_prepped(self, on: bool) -> None:
+        self._prep.enabled = on
 
     def _start_agent(self) -> Any:
         added = []
@@ -187,7 +206,10 @@ class NixlTransport(Transport):
         with self.lock:
             self._check_open("submit")  # close() may have run since the check above
             job = Job.split(self.config, self.engine_limit, peer, op, plan, notify)
-            transfer = NixlTransfer(self._live(), self.lock, (self.mem_type, self.dev_id), self.config, job)
+            agent, memory = self._live(), (self.mem_type, self.dev_id)
+            prepared = self._prep.plan(agent, peer, local_remote(op, plan), plan.length,
+                                       (self._spans, self._peer_spans[peer]), memory)
+            transfer = NixlTransfer(agent, self.lock, memory, self.config, job, prepared, self._prep.stats)
             self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
             transfer.start()
         return transfer
@@ -227,6 +249,7 @@ class NixlTransport(Transport):
             for transfer in self._transfers:
                 transfer.abandon()
             self._transfers = []
+            self._prep.drop_all()
             for peer in list(self._peer_spans):
                 self._forget(peer)
             for reg in self._regs if self.agent is not None else []:
@@ -243,6 +266,7 @@ class NixlTransport(Transport):
             for transfer in self._transfers:
                 transfer.abandon()
             self._transfers = []
+            self._prep.drop_all()  # the lists hold the agent: they go first
             self._drop_agent()
             self._old = None
             self.generation += 1
@@ -319,6 +343,7 @@ class NixlTransport(Transport):
         self._unloaded.discard(peer)
 
     def _forget(self, peer: str) -> None:
+        self._prep.drop(peer)  # before the remote agent its list names is removed
         self._peer_spans.pop(peer, None)
         self._peer_metadata.pop(peer, None)
         if peer in self._unloaded:  # the restarted agent never loaded it: nothing to remove

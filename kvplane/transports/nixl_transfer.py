@@ -1,7 +1,9 @@
 """One plan in flight through NIXL: a state machine over its chunks, advanced by ``poll``.
 
 ``NixlTransport.submit`` creates it, handing it what it needs (the agent, the lock that guards it, the memory
-type, the config), and posts the first chunk. Each ``poll`` checks the request in flight (``check_xfer_state``),
+type, the config, and the plan mapped onto the peer's prepared descriptor lists where it maps), and posts the
+first chunk. A mapped chunk is one ``make_prepped_xfer`` on index arrays; otherwise its descriptor lists are
+built for it (``get_xfer_descs`` + ``initialize_xfer``). Each ``poll`` checks the request in flight (``check_xfer_state``),
 releases it when it ends, posts the next chunk, and resubmits a failed one after back-off. Refusals that no
 retry can fix (an address NIXL finds in no registration, a peer that disconnected) fail at once.
 
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from threading import RLock
 
     from kvplane.transports.base import TransportConfig
+    from kvplane.transports.nixl_prep import Prepared, PrepStats
 
 POLL_INTERVAL_S = 0.0002  # wait() sleeps this long between polls; NIXL's progress thread moves the data
 PERMANENT = ("nixlNotFoundError", "nixlInvalidParamError", "nixlRemoteDisconnectError")
@@ -42,9 +45,13 @@ class NixlTransfer(ChunkedTransfer):
         memory: tuple[str, int],
         config: TransportConfig,
         job: Job,
+        prepared: Prepared | None = None,
+        stats: PrepStats | None = None,
     ) -> None:
         super().__init__(config, job)
         self._agent, self._lock = agent, lock
+        self._prepared = prepared  # None: descriptor lists built per chunk
+        self._stats = stats  # where the time making requests is added up
         self._mem_type, self._dev_id = memory
         self._attempt = 0  # failed attempts of the chunk in flight
         self._retry_at = 0.0
@@ -111,7 +118,7 @@ class NixlTransfer(ChunkedTransfer):
     def abandon(self) -> None:
         """The transport drops the agent (reset or close): the request in flight dies with it. The transfer lets
         go of the agent, so nothing keeps it alive."""
-        self._handle, self._unsettled, self._agent = None, False, None
+        self._handle, self._unsettled, self._agent, self._prepared = None, False, None, None
         if not self._done and self._error is None:
             self._error = TransferFailed(self._where("ended: the NIXL agent was reset"))
 
@@ -147,6 +154,8 @@ class NixlTransfer(ChunkedTransfer):
                 self._done = self._index == len(self._chunks)
             else:
                 self._failed(f"the engine reported {state}")
+        if self.finished:
+            self._prepared = None  # lets go of the prepared lists (a finer grid may have replaced them)
         return moved or posted
 
     def _post(self, agent: Any) -> str:
@@ -156,9 +165,17 @@ class NixlTransfer(ChunkedTransfer):
         mem, dev = self._mem_type, self._dev_id
         length = self._length[start:stop]
         try:
-            local = agent.get_xfer_descs(descriptor_table(self._local[start:stop], length, dev), mem)
-            remote = agent.get_xfer_descs(descriptor_table(self._remote[start:stop], length, dev), mem)
-            self._handle = agent.initialize_xfer(self._op, local, remote, self._peer, notify)
+            began = time.perf_counter()
+            if self._prepared is not None:
+                lidx, ridx = self._prepared.chunk(start, stop)
+                lists = self._prepared.lists
+                self._handle = agent.make_prepped_xfer(self._op, lists.local, lidx, lists.remote, ridx, notify)
+            else:
+                local = agent.get_xfer_descs(descriptor_table(self._local[start:stop], length, dev), mem)
+                remote = agent.get_xfer_descs(descriptor_table(self._remote[start:stop], length, dev), mem)
+                self._handle = agent.initialize_xfer(self._op, local, remote, self._peer, notify)
+            if self._stats is not None:
+                self._stats.made(self._prepared is not None, time.perf_counter() - began)
             return str(agent.transfer(self._handle))
         except Exception as e:
             return self._refused(e)
