@@ -15,6 +15,7 @@ from typing import TextIO
 
 from kvplane.backend.base import Backend
 from kvplane.bench.logs import engine_output_to
+from kvplane.bench.memory import freed_memory_kept
 from kvplane.bench.plot import PLOT_HINT, plot_available
 from kvplane.bench.results import BenchResult, machine_info, write_json
 from kvplane.bench.scenario import Scenario
@@ -36,7 +37,8 @@ def run(
     failures: list[str] = []
     start = time.monotonic()
     held: Callable[[], None] | None = None  # the release of the module whose buffers are held now
-    with engine_output_to(log_path) as out:
+    # rows reuse the pages earlier rows faulted in (kvplane.bench.memory)
+    with engine_output_to(log_path) as out, freed_memory_kept():
         live = out.isatty()
         for i, scenario in enumerate(scenarios):
             if held is not None and held is not scenario.release:
