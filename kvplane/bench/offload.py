@@ -78,10 +78,8 @@ class OffloadRig:
         layers = self.spec.layer_names
         copier = self.engine.copier
         if direction == "store":
-            plans = copier.save_plans(layers, self.src_ids, host_ids)
-        else:
-            plans = copier.load_plans(layers, host_ids, self.dst_ids)
-        return sum(len(p) for p in plans.values())
+            return len(copier.save_parts(layers, self.src_ids, host_ids)[0])
+        return len(copier.load_parts(layers, host_ids, self.dst_ids)[0])
 
 
 def build_rig(
