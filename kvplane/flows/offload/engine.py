@@ -322,7 +322,7 @@ class OffloadEngine:
         """Before layer ``layer_name`` reads its KV: wait for that layer's H2D only (later layers keep copying)."""
         self._group_of(layer_name)
         event = self._layer_events.pop(layer_name, None)
-        if event is not None:
+        if event is not None and not event.query():  # a layer already copied costs no wait (no lock, no sync)
             self.copier.order_compute_after(event)
 
     # -- completion and aborts ----------------------------------------------------------------------------
