@@ -4,7 +4,9 @@ Every row allocates gigabytes (device caches, host pools, flat baseline buffers)
 this large to ``mmap`` and returns them to the kernel on ``free``, so each row paid the first-touch page faults
 again: a default run took 7.4 million page faults (30 GB) and 50 of its 123 seconds were system time. Inside
 ``freed_memory_kept()`` glibc serves every allocation from its heap and never trims it, so the process holds its
-peak footprint while the rows run; on exit the defaults come back and the heap is trimmed. Timed reps work on
+peak footprint while the rows run; on exit the defaults come back and the heap is trimmed. The runner keeps it
+on for rows whose buffers live in the bench process (offload, overhead, store) and off for the rest (P/D rows:
+engines and their threads allocate as they would in an engine). Timed reps work on
 memory touched before them either way, so no figure changes, only the setup between reps gets shorter.
 Where the C library is not glibc it does nothing.
 """

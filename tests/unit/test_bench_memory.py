@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import resource
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
+from test_bench_report import RESULTS
 
+from kvplane.backend import get_backend
+from kvplane.bench import runner
 from kvplane.bench.memory import freed_memory_kept
+from kvplane.bench.results import BenchResult
+from kvplane.bench.scenario import Scenario
 
 MIB = 1 << 20
 
@@ -38,3 +47,28 @@ def test_outside_the_block_freed_memory_goes_back_to_the_kernel_as_glibc_does_by
     _faults_of_touching(64 * MIB)
     again = _faults_of_touching(32 * MIB)
     assert again > pages // 2, f"only {again} page faults touching a fresh 32 MiB buffer ({pages} pages)"
+
+
+def test_the_runner_keeps_freed_memory_for_in_process_rows_only_and_gives_it_back_before_engine_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+
+    @contextmanager
+    def recording() -> Iterator[bool]:
+        events.append("keep")
+        yield True
+        events.append("give back")
+
+    def row(name: str, kind: str) -> Scenario:
+        def run(backend: object, quick: bool) -> BenchResult:
+            events.append(name)
+            return RESULTS[0]
+
+        return Scenario(name, kind, run)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "freed_memory_kept", recording)
+    rows = [row("offload", "offload"), row("overhead", "overhead"), row("pd", "pd"), row("store", "store")]
+    runner.run(get_backend("cpu"), rows, quick=True, json_path=None, plot_path=None,
+               log_path=str(tmp_path / "b.log"), terminal=io.StringIO())
+    assert events == ["keep", "offload", "overhead", "give back", "pd", "keep", "store", "give back"]
