@@ -8,7 +8,8 @@ tokens and the push modes.
 ``DEFAULT`` is a plain ``kvplane bench`` (about 2 minutes on 2 cores): one representative row per kind and
 model. ``full()`` is ``--full``: the default rows at full size plus the sweeps (block sizes, raw transports,
 block-id patterns, big store and plan sizes) and the engine-call latency rows (``get_finished`` while 2 GiB
-move, per engine: about 30 s, more than the default run can spare). Scenario modules only offer factories; nothing registers on
+move, per engine: six 2 GiB pulls each, 3 min 46 s for both on a loaded machine: more than the
+default run can spare). Scenario modules only offer factories; nothing registers on
 import.
 
 Layouts: every factory takes ``layouts`` (default: the backend's own) and a name ``variant``. To measure
