@@ -6,7 +6,9 @@
  * and cut into equal slices, one per thread, so a single large descriptor is split as well as many small
  * ones. Slices run on a pool of persistent threads started on first use (never one per call); the calling
  * thread copies slices too, and a caller that finds the pool busy (another stream is copying) copies all of
- * its slices itself. The GIL is released for the whole copy. Bounds are the caller's job: kvplane checks
+ * its slices itself. Before copying a descriptor of up to 64 KiB, each page of the next one's source is
+ * prefetched: scattered small blocks (DeepSeek-V3's 18 KiB) otherwise stall on a TLB miss at every start.
+ * The GIL is released for the whole copy. Bounds are the caller's job: kvplane checks
  * every descriptor against registered regions before it reaches this file.
  *
  * plan_blocks builds the offload engine's per-layer block plans (addresses of every block of every region,
@@ -24,6 +26,8 @@
 
 #define MAX_THREADS 64
 #define STREAM_MIN_BYTES 4096
+#define PREFETCH_MAX_BYTES (64 << 10) /* descriptors up to this size get their pages prefetched */
+#define PREFETCH_AHEAD 1             /* ... this many descriptors before they are copied (1 and 2 measured alike) */
 #define PARALLEL_MIN_BYTES (8 << 20) /* below this one thread is faster than waking others */
 
 /* Copy with non-temporal stores where the CPU has them: KV blocks are written once and not read back soon,
@@ -76,6 +80,15 @@ static void copy_slice(slice_t *s) {
         int64_t take = s->len[i] - off;
         if (take > s->end - pos) take = s->end - pos;
         if (take > 0) {
+#if defined(__SSE2__)
+            Py_ssize_t ahead = i + PREFETCH_AHEAD;
+            if (ahead < s->n && s->len[ahead] <= PREFETCH_MAX_BYTES) {
+                /* touch each page of a coming (scattered) descriptor's source now: its TLB misses and first
+                 * lines then overlap this copy instead of stalling that one */
+                const char *next = (const char *)(intptr_t)s->src[ahead];
+                for (int64_t k = 0; k < s->len[ahead]; k += 4096) _mm_prefetch(next + k, _MM_HINT_T0);
+            }
+#endif
             copy_bytes((char *)(intptr_t)s->dst[i] + off, (const char *)(intptr_t)s->src[i] + off, (size_t)take);
             pos += take;
         }

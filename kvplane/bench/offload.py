@@ -6,7 +6,8 @@ The device cache is per-layer tensors, or (``cross_layer``, the ``-xl`` rows) vL
 ``start_store`` + ``save_layer`` per layer + ``wait_for_save`` + ``get_finished`` (events, copy stream, host
 pool, prefix index); every rep stores a fresh prefix, so the host tier evicts the previous one, as in steady
 state. ``load`` times ``start_load`` + ``wait_for_layer`` per layer + ``get_finished`` of a prefix the host tier
-holds. Bytes are compared after a store and a load (device blocks in, device blocks out).
+holds. Bytes are compared after a store and a load (device blocks in, device blocks out), once per rig: the
+store and load rows of a model share the rig and the comparison.
 
 The load scenario also measures overlap: a forward with a simulated compute of ``load time / layers`` per layer
 (a sleep: like device compute it leaves the CPU to the copies), run layer-wise (``wait_for_layer`` before each
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 BLOCK_TOKENS = 16
 TOKENS, QUICK_TOKENS = 10_000, 2_000
 GROUP = 0
+FILL_FACTOR = 0x9E3779B1  # an odd multiplier: word i holds i * FILL_FACTOR
 
 
 @dataclass
@@ -65,6 +67,7 @@ class OffloadRig:
     flat_host: torch.Tensor
     prefixes: Iterator[list[int]]  # a fresh prefix for every store
     layouts: LayoutChoice
+    round_trip: bool | None = None  # a stored prefix loaded back byte for byte (None: not compared yet)
 
     def close(self) -> None:
         self.engine.close()
@@ -75,17 +78,14 @@ class OffloadRig:
         layers = self.spec.layer_names
         copier = self.engine.copier
         if direction == "store":
-            plans = copier.save_plans(layers, self.src_ids, host_ids)
-        else:
-            plans = copier.load_plans(layers, host_ids, self.dst_ids)
-        return sum(len(p) for p in plans.values())
+            return len(copier.save_parts(layers, self.src_ids, host_ids)[0])
+        return len(copier.load_parts(layers, host_ids, self.dst_ids)[0])
 
 
 def build_rig(
     backend: Backend, model: str, tokens: int, host_blocks_factor: int = 1, store: StoreConfig | None = None,
     layouts: LayoutChoice | None = None, fill: bool = True, cross_layer: bool = False,
 ) -> OffloadRig:
-    import torch
 
     layouts = backend.layouts if layouts is None else layouts
     spec = model_spec(model, BLOCK_TOKENS)
@@ -94,9 +94,7 @@ def build_rig(
     per_block = spec.bytes_per_token * BLOCK_TOKENS
     device = backend.alloc_device(total * per_block)
     if fill:  # distinct int64 words everywhere, so a misplaced block cannot compare equal
-        words = device.view(torch.int64)
-        torch.arange(words.numel(), dtype=torch.int64, out=words)
-        words.mul_(0x9E3779B1)
+        fill_distinct(device, per_block // 8)
     if cross_layer:
         cache = cross_layer_cache(spec, layouts, total, lambda n: device[:n], "NHD")[1]
     else:
@@ -116,6 +114,22 @@ def build_rig(
     return OffloadRig(
         spec, cache, engine, order[:blocks], order[blocks:], nbytes, flat_device, flat_host, prefixes, layouts
     )
+
+
+def fill_distinct(buffer: torch.Tensor, row_words: int) -> None:
+    """Word ``i`` of ``buffer`` (int64 words) becomes ``i * FILL_FACTOR``: distinct everywhere, so a misplaced
+    block never compares equal. Written in one parallel pass as rows of ``row_words`` (a multiple of the
+    buffer's words): ``(r * row_words + c) * F == r * row_words * F + c * F`` in int64's wrap-around arithmetic,
+    where ``arange`` then ``mul_`` took two passes, the first on one thread."""
+    import torch
+
+    words = buffer.view(torch.int64)
+    if row_words <= 0 or words.numel() % row_words:
+        raise ValueError(f"fill_distinct: row_words={row_words} must divide the buffer's {words.numel()} words")
+    rows = words.numel() // row_words
+    starts = torch.arange(rows, dtype=torch.int64).mul_(row_words * FILL_FACTOR)
+    steps = torch.arange(row_words, dtype=torch.int64).mul_(FILL_FACTOR)
+    torch.add(starts[:, None], steps[None, :], out=words.view(rows, row_words))
 
 
 def settle_gc() -> None:
@@ -190,6 +204,14 @@ def _verify(rig: OffloadRig, hashes: list[int], new_id: Callable[[], str]) -> bo
     return same_blocks(rig.spec, rig.cache, rig.src_ids, rig.cache, rig.dst_ids, rig.layouts)
 
 
+def _round_trip(rig: OffloadRig, hashes: list[int], new_id: Callable[[], str]) -> bool:
+    """The rig's store-then-load comparison, made once: the load row reuses the store row's (the same engine,
+    blocks and path), which saves a full compare of the request's bytes per model; run alone, a row makes it."""
+    if rig.round_trip is None:
+        rig.round_trip = _verify(rig, hashes, new_id)
+    return rig.round_trip
+
+
 _held: Held[OffloadRig] = Held(OffloadRig.close)  # the last model's rig: store and load share it
 
 
@@ -225,7 +247,7 @@ def run_offload(
     hashes = next(rig.prefixes)
     if direction == "store":
         copied = store_once(rig, new_id(), hashes)
-        verified = copied == len(rig.src_ids) and _verify(rig, hashes, new_id)
+        verified = copied == len(rig.src_ids) and _round_trip(rig, hashes, new_id)
 
         fresh = iter([next(rig.prefixes) for _ in range(2 * MIN_REPS)])  # hashed before timing: not kvplane's
 
@@ -237,7 +259,7 @@ def run_offload(
             backend.synchronize()
     else:
         store_once(rig, new_id(), hashes)
-        verified = _verify(rig, hashes, new_id)
+        verified = _round_trip(rig, hashes, new_id)
 
         def ours() -> None:
             load_once(rig, new_id(), hashes)

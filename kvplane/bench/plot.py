@@ -27,13 +27,13 @@ COLOURS = {
 }
 OTHER = "#7F7F7F"
 BAR_KINDS = ("offload", "pd", "store")
-TIMED_KINDS = ("overhead", "plan")
+TIMED_KINDS = ("overhead", "plan", "calls")
 TITLES = {
     "offload": "offload: host tier store/load (GB/s)",
     "pd": "P/D: prefill done -> KV ready, or transport only (GB/s)",
     "store": "Mooncake Store tier (GB/s)",
     "timed": "kvplane's own time (ms): offload with copies stubbed (hatched: the copy it manages), plans (hatched: "
-             "bare numpy arithmetic)",
+             "bare numpy arithmetic), get_finished p99 during a transfer (hatched: idle)",
     "sweep": "block copy plans by block size (GB/s)",
 }
 
@@ -137,7 +137,8 @@ def plot(results: list[BenchResult], path: str, title: str) -> bool:
     if sweep:
         panels.append(("sweep", sweep))
     widest = max(len(rows) for _, rows in panels)
-    ratio_rows = [r for r in results if r.ratio > 0 and r.kind != "overhead"]  # overhead is no speed ratio
+    # overhead and engine-call latency are no speed ratios
+    ratio_rows = [r for r in results if r.ratio > 0 and r.kind not in ("overhead", "calls")]
     height = max(2.6 * len(panels), 0.24 * len(ratio_rows)) + 1.0
     fig = plt.figure(figsize=(max(13.0, 5.0 + 0.95 * widest), height))
     top = 1.0 - 1.25 / height

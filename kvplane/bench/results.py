@@ -19,7 +19,7 @@ from kvplane.bench.timing import Samples
 
 class BenchResult(msgspec.Struct):
     scenario: str
-    kind: str  # offload | pd | plan | store | overhead
+    kind: str  # offload | pd | plan | store | overhead | calls
     backend: str  # the backend's label: "npu (emulated)" when it is emulated
     transport: str  # "local" for copies inside one process
     bytes: int

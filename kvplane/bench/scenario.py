@@ -14,7 +14,7 @@ from kvplane.bench.results import BenchResult
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    kind: str  # offload | pd | store | plan | overhead
+    kind: str  # offload | pd | store | plan | overhead | calls
     run: Callable[[Backend, bool], BenchResult]  # (backend, quick) -> result
     params: dict[str, Any] = field(default_factory=dict)
     # frees what the scenario's module keeps for the next row of its kind (buffers, peers, engines); the runner

@@ -7,7 +7,9 @@ tokens and the push modes.
 
 ``DEFAULT`` is a plain ``kvplane bench`` (about 2 minutes on 2 cores): one representative row per kind and
 model. ``full()`` is ``--full``: the default rows at full size plus the sweeps (block sizes, raw transports,
-block-id patterns, big store and plan sizes). Scenario modules only offer factories; nothing registers on
+block-id patterns, big store and plan sizes) and the engine-call latency rows (``get_finished`` while 2 GiB
+move, per engine: six 2 GiB pulls each, 3 min 46 s for both on a loaded machine: more than the
+default run can spare). Scenario modules only offer factories; nothing registers on
 import.
 
 Layouts: every factory takes ``layouts`` (default: the backend's own) and a name ``variant``. To measure
@@ -17,7 +19,7 @@ appended to both lists, named with the suffix.
 
 from __future__ import annotations
 
-from kvplane.bench import local_copy, offload, overhead, pd, pd_flow, plan_build, store
+from kvplane.bench import engine_calls, local_copy, offload, overhead, pd, pd_flow, plan_build, store
 from kvplane.bench.scenario import Scenario
 from kvplane.errors import KvplaneError
 
@@ -72,6 +74,7 @@ def _sweeps(layouts: dict[str, str] | None, variant: str) -> list[Scenario]:
             rows += [store.scenario(m, op, store.BIG_TOKENS, layouts, variant) for op in ("put", "get")]
     if not variant:
         rows += [plan_build.scenario(m, 100_000) for m in MODELS]
+        rows += [engine_calls.scenario(e) for e in ENGINES]  # get_finished while 2 GiB move (issue 12)
     return rows
 
 

@@ -1,9 +1,10 @@
 """Store-tier scenarios (kind ``store``): host blocks into and out of Mooncake Store through kvplane's store
 tier, against raw ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of the same bytes.
 
-Each scenario starts a loopback ``mooncake_master`` (and stops it) and an ``OffloadEngine`` whose store tier
-writes through. A request's blocks (2k tokens of 16-token blocks by default, 512 with ``--quick``; the
-``-10k`` variants are not in the default set) are stored once; their host blocks are the source of every put.
+A model's put and get rows share a loopback ``mooncake_master`` and an ``OffloadEngine`` whose store tier
+writes through (started by the first of them, stopped after get or before another module's row). A request's
+blocks (2k tokens of 16-token blocks by default, 512 with ``--quick``; the ``-10k`` variants are not in the
+default set) are stored once; their host blocks are the source of every put.
 
 - ``put``: the tier's write of those host blocks under a fresh prefix (keys, addresses, the put on the tier's
   worker, its future, the pins it holds until ``poll`` releases them) vs ``batch_put_from`` of the same host
@@ -25,6 +26,7 @@ import statistics
 from typing import Any
 
 from kvplane.backend.base import Backend
+from kvplane.bench.held import Held
 from kvplane.bench.local_copy import same_blocks
 from kvplane.bench.models import model_spec
 from kvplane.bench.offload import BLOCK_TOKENS, OffloadRig, build_rig, load_once, store_once
@@ -204,17 +206,45 @@ def _e2e(s: StoreRig, seconds: list[float]) -> dict[str, Any]:
     return {"engine_s": round(med, 4), "engine_gbps": gbps, "note": note}
 
 
+class _Tier:
+    """A running ``mooncake_master`` and the store rig on it, shared by a model's put and get rows."""
+
+    def __init__(self, backend: Backend, model: str, tokens: int, layouts: LayoutChoice | None) -> None:
+        self.master = start_master()
+        try:
+            self.rig = StoreRig(backend, model, tokens, self.master.address, layouts)
+        except BaseException:
+            self.master.stop()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.rig.close()
+        finally:
+            self.master.stop()
+
+
+_held: Held[_Tier] = Held(_Tier.close)
+
+
+def _release() -> None:
+    _held.release()
+
+
 def run_store(
     backend: Backend, model: str, op: str, tokens: int, quick: bool, layouts: LayoutChoice | None = None,
     name: str | None = None,
 ) -> BenchResult:
     tokens = min(tokens, QUICK_TOKENS) if quick else tokens
-    with start_master() as master:
-        s = StoreRig(backend, model, tokens, master.address, layouts)
-        try:
-            samples, verified, extra = run_put(s) if op == "put" else run_get(s)
-        finally:
-            s.close()
+    key = (backend.label, id(backend), model, tokens, repr(layouts))
+    s = _held.get(key, lambda: _Tier(backend, model, tokens, layouts)).rig
+    try:
+        samples, verified, extra = run_put(s) if op == "put" else run_get(s)
+    except BaseException:
+        _release()  # a failed row leaves no half-used store behind for the next one
+        raise
+    if op == "get":  # get runs after put for each model: the master and buffers go before the next row
+        _release()
     return make_result(
         scenario=name or _name(model, op, tokens if not quick else TOKENS),
         kind="store",
@@ -253,4 +283,4 @@ def scenario(
     def run(backend: Backend, quick: bool) -> BenchResult:
         return run_store(backend, model, op, tokens, quick, layouts, name)
 
-    return Scenario(name, "store", run, {"model": model, "op": op, "tokens": tokens})
+    return Scenario(name, "store", run, {"model": model, "op": op, "tokens": tokens}, release=_release)

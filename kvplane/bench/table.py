@@ -12,13 +12,14 @@ import textwrap
 from kvplane.bench.results import BenchResult
 
 WIDTH = 100
-KINDS = ("offload", "overhead", "pd", "store", "plan")
+KINDS = ("offload", "overhead", "pd", "store", "plan", "calls")
 TITLES = {
     "offload": "offload: one request through OffloadEngine; baseline contiguous copy_ of the same bytes",
     "overhead": "overhead: the same requests with copies stubbed out (kvplane's own work; goal < 1 ms CPU)",
     "pd": "pd: prefill done -> KV ready (pd-flow) or transport only (pd); baseline raw engine, 1 desc/block",
     "store": "store: Mooncake Store tier put/get; baseline raw batch_put_from / batch_get_into",
     "plan": "plan: plan_transfer in ms; baseline bare numpy descriptor arithmetic",
+    "calls": "calls: get_finished p99 per rep while a transfer is in flight; baseline the same call idle",
 }
 SHORT = {"qwen3-0.6b": "qwen3", "deepseek-v3": "dsv3"}
 ROW = 29
@@ -30,7 +31,7 @@ def label(r: BenchResult) -> str:
     """A short row name: model, transport, mode and pattern, as far as they apply."""
     p = r.params
     parts = [SHORT.get(str(p.get("model", "")), str(p.get("model", "")))]
-    if r.kind in ("pd",):
+    if r.kind in ("pd", "calls"):
         parts.append(r.transport)
         if r.scenario.startswith("pd-") and not r.scenario.startswith("pd-flow-"):
             parts.append("raw")  # the transport alone, no flow around it
@@ -61,7 +62,7 @@ def _ratio(x: float) -> str:
 
 def _row(r: BenchResult) -> str:
     sp = r.spread
-    timed_only = r.kind in ("plan", "overhead")
+    timed_only = r.kind in ("plan", "overhead", "calls")
     gbps = "-" if timed_only else f"{r.gbps:.2f}"
     base_gbps = "-" if timed_only else f"{r.baseline_gbps:.2f}"
     ok = "n/a" if r.kind == "overhead" else "yes" if r.verified else "NO"

@@ -46,8 +46,9 @@ class LayerCopier:
         return self._planner(self._save_planners, layers, self.device_regions, self.host_regions).merged
 
     def load_parts(self, layers: Sequence[str], host_ids: Ids, device_ids: Ids) -> tuple[CopyPlan, list[int]]:
-        """H2D of ``layers`` (one KV-cache group) as one plan and each layer's bounds in it."""
-        return self._planner(self._load_planners, layers, self.host_regions, self.device_regions).parts(
+        """H2D of ``layers`` (one KV-cache group) as one plan and each layer's bounds in it; over cross-layer
+        caches the plan comes in runs of layers, so layer-wise waits keep their overlap (``sliced_parts``)."""
+        return self._planner(self._load_planners, layers, self.host_regions, self.device_regions).sliced_parts(
             host_ids, device_ids
         )
 

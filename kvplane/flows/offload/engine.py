@@ -42,6 +42,7 @@ from kvplane.kv.spec import KVSpec
 from kvplane.metrics import recorder
 from kvplane.metrics.watch import record_offload, watch_offload
 
+SAVE_TASKS = 8  # see OffloadEngine._save_batch
 LoadRequest = tuple[str, PerGroup, PerGroup]  # (request id, block hashes, device block ids)
 
 
@@ -86,6 +87,9 @@ class OffloadEngine:
         self._layer_events: dict[str, Event] = {}
         # layers saved while the save stream was busy, not yet enqueued: (plan, begin, end) parts of job plans
         self._pending_saves: list[tuple[CopyPlan, int, int]] = []
+        # layers an idle save stream waits for before they go as one task: a request's store is at most about
+        # SAVE_TASKS hand-offs to the copy stream, however many layers (61 for DeepSeek-V3)
+        self._save_batch = max(1, -(-len(self._layer_group) // SAVE_TASKS))
         self._stored: set[str] = set()
         self._loaded: set[str] = set()
         self._load_errors: set[int] = set()
@@ -177,7 +181,7 @@ class OffloadEngine:
                     done.append(j)
         if not self._pending_saves:
             return
-        if done or self.copier.save_stream.query():
+        if done or (len(self._pending_saves) >= self._save_batch and self.copier.save_stream.query()):
             self._flush_saves()
         if done:
             event = self.copier.mark(self.copier.save_stream)
@@ -318,7 +322,7 @@ class OffloadEngine:
         """Before layer ``layer_name`` reads its KV: wait for that layer's H2D only (later layers keep copying)."""
         self._group_of(layer_name)
         event = self._layer_events.pop(layer_name, None)
-        if event is not None:
+        if event is not None and not event.query():  # a layer already copied costs no wait (no lock, no sync)
             self.copier.order_compute_after(event)
 
     # -- completion and aborts ----------------------------------------------------------------------------
