@@ -9,8 +9,8 @@ can verify bytes without shipping them), ``fill``, ``zero``, ``notifications`` a
 
 from __future__ import annotations
 
-import hashlib
 import os
+import zlib
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -90,15 +90,18 @@ class KVBuffer:
         words.mul_(0x9E3779B97F4A7C15 & 0x7FFFFFFF).add_(seed << 40)
 
     def digest(self, block_ids: np.ndarray, tokens: int | None = None) -> str:
-        """A hash of the given blocks of every slot, in slot order (the first ``tokens`` tokens if given)."""
+        """A checksum of the given blocks of every slot, in slot order, and their size. CRC-32 over the gathered
+        blocks without another copy (2.8 GB/s here, against 0.5 GB/s for blake2b after ``tobytes``): the blocks
+        hold distinct words (``fill``), so a block missing or misplaced changes it; this checks a transfer, it is
+        no defence against a forger."""
         import torch
 
-        h = hashlib.blake2b(digest_size=16)
+        crc, nbytes = 0, 0
         ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
         for st in slot_tensors(self.spec, self.cache, self.layout):
-            blocks = st.tensor.index_select(0, ids).contiguous()
-            h.update(blocks.view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+            blocks = st.tensor.index_select(0, ids).contiguous().view(torch.uint8).numpy()
+            crc, nbytes = zlib.crc32(blocks, crc), nbytes + blocks.nbytes
+        return f"{crc:08x}/{nbytes}"
 
     def manifest(self, engine_id: str, rank: int, tp_size: int, device_type: str) -> Manifest:
         layouts = {family: layout.name for family, layout in layouts_by_family(self.layout).items()}
