@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvplane.backend import get_backend
-from kvplane.bench import offload as offload_bench
 from kvplane.bench import scenarios
+from kvplane.bench.held import release_all
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ SCENARIOS = sorted(n for n in DEFAULT if n.startswith(NEW_KINDS))
 @pytest.fixture(scope="module", autouse=True)
 def _release_rigs() -> Iterator[None]:
     yield None
-    offload_bench._release()  # a store scenario keeps its model's buffers for the load scenario
+    release_all()  # a store row keeps its model's rig for the load row: no engine may outlive this module's rows
 
 
 def test_every_model_has_an_offload_an_overhead_and_a_store_scenario_in_the_default_set() -> None:
@@ -54,3 +54,15 @@ def test_scenario_returns_a_verified_result_in_quick_mode(name: str) -> None:
     else:
         assert result.kind == "store" and result.params["tokens"] == 512
         assert result.params["engine_gbps"] > 0
+
+
+def test_release_all_lets_go_of_every_rig_a_row_kept() -> None:
+    """A store row run by itself kept its rig (an offload engine with a host tier) alive after the module's rows,
+    and the metrics tests that ran later read its 112 MiB as their host tier's bytes."""
+    from kvplane.bench import offload as offload_bench
+    from kvplane.bench import store as store_bench
+
+    DEFAULT["store-qwen3-0.6b-put"].run(get_backend("cpu"), True)
+    assert store_bench._held
+    release_all()
+    assert not store_bench._held and not offload_bench._held
