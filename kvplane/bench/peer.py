@@ -100,7 +100,7 @@ class KVBuffer:
         ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
         for st in slot_tensors(self.spec, self.cache, self.layout):
             blocks = st.tensor.index_select(0, ids).contiguous().view(torch.uint8).numpy()
-            crc, nbytes = zlib.crc32(blocks, crc), nbytes + blocks.nbytes
+            crc, nbytes = zlib.crc32(blocks.data, crc), nbytes + blocks.nbytes
         return f"{crc:08x}/{nbytes}"
 
     def manifest(self, engine_id: str, rank: int, tp_size: int, device_type: str) -> Manifest:

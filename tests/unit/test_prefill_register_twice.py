@@ -50,3 +50,15 @@ def test_another_registration_while_the_write_runs_fails_the_push_only_after_the
     results = [a.message for a in out if isinstance(a, Send) and isinstance(a.message, PushResult)]
     assert [r.ok for r in results] == [False] and "registered twice" in results[0].reason
     assert [a.completion.state for a in out if isinstance(a, Release)] == ["failed"]
+
+
+def test_a_layerwise_request_still_computing_is_not_released_by_the_deadline_of_early_word() -> None:
+    """The decode registered before ``start_request``: the machine was made with the early word's deadline
+    (``push_timeout_s``). Once the engine handed the request over, only ``finish`` or ``abort`` may end it while it
+    computes; a Release mid-forward gave the engine blocks its forward still writes. Found in review."""
+    m = HeldRequest("r", TERMS, deadline=TERMS.push_timeout_s)  # as PrefillSide makes it for early word
+    m.register(DECODE, PEER, register([7]), ["l0"])
+    m.start({0: np.arange(1, dtype=np.int64)}, 16, "tok")
+    assert not [a for a in m.tick(TERMS.push_timeout_s + 1.0) if isinstance(a, Release)]
+    out = m.abort()
+    assert [a.completion.state for a in out if isinstance(a, Release)] == ["failed"]

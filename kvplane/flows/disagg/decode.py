@@ -200,7 +200,12 @@ class DecodeSide(SideLifecycle):
         self._out.publish(self._mover.moving)
 
     def _add(self, want: Want) -> None:
-        rid = want.request_id
+        rid, key = want.request_id, (want.params.remote_engine_id, want.params.remote_request_id)
+        other = self._by_remote.get(key)
+        if other is not None:  # the prefill's replies name only its request id: two receivers could not tell theirs
+            self._report(want, "failed", f"prefill request {key[1]!r} of {key[0]!r} is already being received by "
+                                         f"request {other!r} on this rank; forward its kv_transfer_params once")
+            return
         self._wants[rid] = want
         self._by_remote[(want.params.remote_engine_id, want.params.remote_request_id)] = rid
         p = want.params
@@ -323,7 +328,9 @@ class DecodeSide(SideLifecycle):
             conn.waiting.discard(want.request_id)
         if self._wants.get(want.request_id) is want:
             del self._wants[want.request_id]
-            self._by_remote.pop((want.params.remote_engine_id, want.params.remote_request_id), None)
+            key = (want.params.remote_engine_id, want.params.remote_request_id)
+            if self._by_remote.get(key) == want.request_id:
+                del self._by_remote[key]
         failed = {} if state == "done" else {g: tuple(int(b) for b in ids) for g, ids in want.block_ids.items()}
         if state != "done":
             logger.warning("decode rank %d: request %s %s (%s)", self.config.rank, want.request_id, state, reason)
@@ -348,8 +355,15 @@ class DecodeSide(SideLifecycle):
                     logger.info("decode rank %d: %s for request %s of %s came after the request was reported; "
                                 "dropped", self.config.rank, type(message).__name__, message.request_id, engine)
                 return
-            self._run(want, want.machine.problem(message.rank, message.reason) if isinstance(message, Problem)
-                      else want.machine.push_result(message.rank, message.ok, message.reason))
+            if message.rank != conn.rank or all(c is not conn for c in want.conns):
+                self.counters.rejected += 1
+                logger.warning("decode rank %d: %s for request %s names prefill rank %d but came on the connection to "
+                               "rank %d at %s:%d, which the request does not use for it; dropped", self.config.rank,
+                               type(message).__name__, message.request_id, message.rank, conn.rank, conn.host,
+                               conn.port)
+                return
+            self._run(want, want.machine.problem(conn.rank, message.reason) if isinstance(message, Problem)
+                      else want.machine.push_result(conn.rank, message.ok, message.reason))
         else:
             self.counters.rejected += 1
             logger.warning("decode rank %d: %s is not a message a decode rank takes; dropped", self.config.rank,

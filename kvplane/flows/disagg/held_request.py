@@ -53,7 +53,6 @@ TRANSITIONS: frozenset[tuple[Phase, str, Phase]] = frozenset({
     (Phase.COMPUTING, "finish", Phase.RELEASED),
     (Phase.COMPUTING, "abort", Phase.ABORTED),
     (Phase.COMPUTING, "abort", Phase.RELEASED),
-    (Phase.COMPUTING, "tick", Phase.RELEASED),
     (Phase.ABORTED, "write_ended", Phase.RELEASED),
     (Phase.HELD, "finish", Phase.RELEASED),
     (Phase.HELD, "read_done", Phase.RELEASED),
@@ -311,7 +310,8 @@ class HeldRequest:
             self.deadline = now + self.terms.lease_s
             for target in held.targets.values():
                 out += self._push_rest(target)
-        else:
+        else:  # computing: only finish or abort ends it now, not the early word's deadline (its forward writes)
+            self.deadline = float("inf")
             for target in held.targets.values():
                 out += self._prepare(target)
         return out
