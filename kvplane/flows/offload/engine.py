@@ -138,10 +138,12 @@ class OffloadEngine:
         before_evict = self.store.before_evict if self.store is not None else None
         groups: dict[int, GroupBlocks] = {}
         for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
-            held = self.index.blocks_of(g, hashes) >= 0
+            found = self.index.blocks_of(g, hashes)
+            held = found >= 0
             if held.any():
-                cached = list(compress(hashes, held.tolist()))
-                self.index.release(g, self.index.pin(g, cached))  # touch: most recently used
+                cached = found[held]
+                self.index.ref(g, cached)
+                self.index.release(g, cached)  # touch: most recently used
             new = list(compress(hashes, (~held).tolist())) if held.any() else hashes
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
@@ -246,8 +248,11 @@ class OffloadEngine:
                 pieces.append(CopyPlan(p.src[b[i] : b[i + 1]], p.dst[b[i] : b[i + 1]], p.length[b[i] : b[i + 1]]))
             plan = CopyPlan.concat(pieces)
             bounds = np.concatenate(([0], np.cumsum([len(p) for p in pieces], dtype=np.int64))).tolist()
+            for p, _ in by_group.values():  # copied into ``plan``: nothing reads them any more
+                self.copier.recycle(p)
         if names:
             self._layer_events.update(zip(names, self.copier.load_all(plan, bounds)))
+            jobs[0].plan = plan
         final = self.copier.mark(self.copier.load_stream)
         out = {}
         for j in jobs:
@@ -275,6 +280,12 @@ class OffloadEngine:
 
     def _gather(self, group: int, hashes: list[int]) -> Ids:
         """Referenced host blocks for the available prefix of ``hashes``, fetching store runs into the host."""
+        if self.store is None:  # the host prefix only: one pass over the hashes finds and pins it
+            found = self.index.blocks_of(group, hashes)
+            missing = np.flatnonzero(found < 0)
+            ids = found[: int(missing[0])] if missing.size else found
+            self.index.ref(group, ids)
+            return ids
         runs = self._runs(group, hashes)
         parts: list[Ids] = []
         n = 0
@@ -320,9 +331,10 @@ class OffloadEngine:
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Before layer ``layer_name`` reads its KV: wait for that layer's H2D only (later layers keep copying)."""
-        self._group_of(layer_name)
         event = self._layer_events.pop(layer_name, None)
-        if event is not None and not event.query():  # a layer already copied costs no wait (no lock, no sync)
+        if event is None:
+            self._group_of(layer_name)  # an unknown name raises
+        elif not event.query():  # a layer already copied costs no wait (no lock, no sync)
             self.copier.order_compute_after(event)
 
     # -- completion and aborts ----------------------------------------------------------------------------
@@ -335,6 +347,8 @@ class OffloadEngine:
         for rid, load in list(self._loading.items()):
             if load.event is None or load.event.query():
                 del self._loading[rid]
+                if load.plan is not None:  # its event completed: no copy reads the plan any more
+                    self.copier.recycle(load.plan)
                 record_offload(self, load, "read")
                 for g, blocks in load.groups.items():
                     self.index.release(g, blocks.host_ids)
@@ -343,6 +357,8 @@ class OffloadEngine:
             self.store.poll()
 
     def _finish_store(self, job: StoreJob) -> None:
+        for plan, _ in job.plans.values():  # its event completed: no copy reads these plans any more
+            self.copier.recycle(plan)
         record_offload(self, job, "write")
         for g, blocks in job.groups.items():
             if job.aborted:
