@@ -73,6 +73,7 @@ class OffloadEngine:
         self._group_layers = {g: [n for n, lg in self._layer_group.items() if lg == g] for g in self._group_ids}
         # layer -> (its group, its index among the group's layers): where its part sits in a group's plan
         self._layer_pos = {n: (g, i) for g, names in self._group_layers.items() for i, n in enumerate(names)}
+        self._group_layer_set = {g: frozenset(names) for g, names in self._group_layers.items()}
         self._tokens_per_block = {g.group_id: g.tokens_per_block for g in spec.groups}
         self.fingerprint = fingerprint(spec, regions, tp_rank, tp_size)
         self.store: StoreLink | None = None
@@ -148,7 +149,7 @@ class OffloadEngine:
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
                 groups[g] = GroupBlocks(device_ids[~held][: len(ids)], ids, new[: len(ids)])
-        layers = {name for name, g in self._layer_group.items() if g in groups}
+        layers = set().union(*(self._group_layer_set[g] for g in groups))
         job = StoreJob(request_id, groups, layers)
         for g, blocks in groups.items():
             job.plans[g] = self.copier.save_parts(self._group_layers[g], blocks.device_ids, blocks.host_ids)
@@ -167,25 +168,28 @@ class OffloadEngine:
             self._group_of(layer_name)  # an unknown name raises; a layer of a group without host blocks is a no-op
             return
         g, i = pos
-        done: list[StoreJob] = []
+        pending = self._pending_saves  # called once per layer and request: no list or lookup it can do without
+        done: list[StoreJob] | None = None
         for j in self._open.values():
             left = j.layers_left
-            if layer_name in left:
+            if layer_name not in left:
+                continue
+            left.remove(layer_name)
+            if g not in j.merged_left:
                 plan, bounds = j.plans[g]
-                if g not in j.merged_left:
-                    self._pending_saves.append((plan, bounds[i], bounds[i + 1]))
-                else:  # one plan for every layer of the group: it goes once the last of them was saved
-                    j.merged_left[g] -= 1
-                    if not j.merged_left[g]:
-                        self._pending_saves.append((plan, 0, len(plan)))
-                left.discard(layer_name)
-                if not left:
-                    done.append(j)
-        if not self._pending_saves:
+                pending.append((plan, bounds[i], bounds[i + 1]))
+            else:  # one plan for every layer of the group: it goes once the last of them was saved
+                j.merged_left[g] -= 1
+                if not j.merged_left[g]:
+                    plan = j.plans[g][0]
+                    pending.append((plan, 0, len(plan)))
+            if not left:
+                done = [j] if done is None else [*done, j]
+        if not pending:
             return
-        if done or (len(self._pending_saves) >= self._save_batch and self.copier.save_stream.query()):
+        if done is not None or (len(pending) >= self._save_batch and self.copier.save_stream.query()):
             self._flush_saves()
-        if done:
+        if done is not None:
             event = self.copier.mark(self.copier.save_stream)
             for j in done:
                 j.event = event
