@@ -6,7 +6,8 @@ stream wait for it, so the D2H reads the KV the layers' attention just wrote, wi
 layer's H2D on the load stream as one batch (``Backend.execute_parts``) with an event after each layer;
 ``wait_for_layer`` waits for that event only, while later layers keep copying. Plans for every layer of a
 request come from one ``LayerPlanner`` call over the device regions and their host twins: one plan with each
-layer's bounds in it, from array operations, with no Python loop per block or per layer.
+layer's bounds in it, from array operations, with no Python loop per block or per layer. The planners write
+plans into one shared ``PlanBuffers``; the engine gives a plan back (``recycle``) once its copies completed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from kvplane.backend.base import Backend, Event, Stream
 from kvplane.blocks.groups import Ids
 from kvplane.descriptors import CopyPlan, Region
-from kvplane.flows.offload.layer_plans import LayerPlanner
+from kvplane.flows.offload.layer_plans import LayerPlanner, PlanBuffers
 
 
 class LayerCopier:
@@ -33,6 +34,7 @@ class LayerCopier:
         self.load_stream: Stream = backend.new_stream()
         self._save_planners: dict[tuple[str, ...], LayerPlanner] = {}
         self._load_planners: dict[tuple[str, ...], LayerPlanner] = {}
+        self._buffers = PlanBuffers()
 
     def save_parts(self, layers: Sequence[str], device_ids: Ids, host_ids: Ids) -> tuple[CopyPlan, list[int]]:
         """D2H of ``layers`` (one KV-cache group) as one plan and each layer's bounds in it."""
@@ -89,8 +91,13 @@ class LayerCopier:
         """Enqueue the H2D of every layer as one batch; event ``i`` completes with layer ``i``'s part."""
         return self.backend.execute_parts(plan, bounds, self.load_stream, direction="h2d")
 
-    @staticmethod
+    def recycle(self, plan: CopyPlan) -> None:
+        """A plan from ``save_parts``/``load_parts`` whose copies completed: its memory may hold a later plan.
+        Only once nothing reads it any more (the event after its last copy completed)."""
+        self._buffers.give_back(plan)
+
     def _planner(
+        self,
         cache: dict[tuple[str, ...], LayerPlanner],
         layers: Sequence[str],
         src: Mapping[str, Sequence[Region]],
@@ -99,7 +106,7 @@ class LayerCopier:
         key = tuple(layers)
         planner = cache.get(key)
         if planner is None:
-            planner = cache[key] = LayerPlanner(key, src, dst)
+            planner = cache[key] = LayerPlanner(key, src, dst, self._buffers)
         return planner
 
     def mark(self, stream: Stream) -> Event:

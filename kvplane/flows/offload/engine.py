@@ -73,6 +73,7 @@ class OffloadEngine:
         self._group_layers = {g: [n for n, lg in self._layer_group.items() if lg == g] for g in self._group_ids}
         # layer -> (its group, its index among the group's layers): where its part sits in a group's plan
         self._layer_pos = {n: (g, i) for g, names in self._group_layers.items() for i, n in enumerate(names)}
+        self._group_layer_set = {g: frozenset(names) for g, names in self._group_layers.items()}
         self._tokens_per_block = {g.group_id: g.tokens_per_block for g in spec.groups}
         self.fingerprint = fingerprint(spec, regions, tp_rank, tp_size)
         self.store: StoreLink | None = None
@@ -138,15 +139,17 @@ class OffloadEngine:
         before_evict = self.store.before_evict if self.store is not None else None
         groups: dict[int, GroupBlocks] = {}
         for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
-            held = self.index.blocks_of(g, hashes) >= 0
+            found = self.index.blocks_of(g, hashes)
+            held = found >= 0
             if held.any():
-                cached = list(compress(hashes, held.tolist()))
-                self.index.release(g, self.index.pin(g, cached))  # touch: most recently used
+                cached = found[held]
+                self.index.ref(g, cached)
+                self.index.release(g, cached)  # touch: most recently used
             new = list(compress(hashes, (~held).tolist())) if held.any() else hashes
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
                 groups[g] = GroupBlocks(device_ids[~held][: len(ids)], ids, new[: len(ids)])
-        layers = {name for name, g in self._layer_group.items() if g in groups}
+        layers = set().union(*(self._group_layer_set[g] for g in groups))
         job = StoreJob(request_id, groups, layers)
         for g, blocks in groups.items():
             job.plans[g] = self.copier.save_parts(self._group_layers[g], blocks.device_ids, blocks.host_ids)
@@ -165,25 +168,28 @@ class OffloadEngine:
             self._group_of(layer_name)  # an unknown name raises; a layer of a group without host blocks is a no-op
             return
         g, i = pos
-        done: list[StoreJob] = []
+        pending = self._pending_saves  # called once per layer and request: no list or lookup it can do without
+        done: list[StoreJob] | None = None
         for j in self._open.values():
             left = j.layers_left
-            if layer_name in left:
+            if layer_name not in left:
+                continue
+            left.remove(layer_name)
+            if g not in j.merged_left:
                 plan, bounds = j.plans[g]
-                if g not in j.merged_left:
-                    self._pending_saves.append((plan, bounds[i], bounds[i + 1]))
-                else:  # one plan for every layer of the group: it goes once the last of them was saved
-                    j.merged_left[g] -= 1
-                    if not j.merged_left[g]:
-                        self._pending_saves.append((plan, 0, len(plan)))
-                left.discard(layer_name)
-                if not left:
-                    done.append(j)
-        if not self._pending_saves:
+                pending.append((plan, bounds[i], bounds[i + 1]))
+            else:  # one plan for every layer of the group: it goes once the last of them was saved
+                j.merged_left[g] -= 1
+                if not j.merged_left[g]:
+                    plan = j.plans[g][0]
+                    pending.append((plan, 0, len(plan)))
+            if not left:
+                done = [j] if done is None else [*done, j]
+        if not pending:
             return
-        if done or (len(self._pending_saves) >= self._save_batch and self.copier.save_stream.query()):
+        if done is not None or (len(pending) >= self._save_batch and self.copier.save_stream.query()):
             self._flush_saves()
-        if done:
+        if done is not None:
             event = self.copier.mark(self.copier.save_stream)
             for j in done:
                 j.event = event
@@ -246,8 +252,11 @@ class OffloadEngine:
                 pieces.append(CopyPlan(p.src[b[i] : b[i + 1]], p.dst[b[i] : b[i + 1]], p.length[b[i] : b[i + 1]]))
             plan = CopyPlan.concat(pieces)
             bounds = np.concatenate(([0], np.cumsum([len(p) for p in pieces], dtype=np.int64))).tolist()
+            for p, _ in by_group.values():  # copied into ``plan``: nothing reads them any more
+                self.copier.recycle(p)
         if names:
             self._layer_events.update(zip(names, self.copier.load_all(plan, bounds)))
+            jobs[0].plan = plan
         final = self.copier.mark(self.copier.load_stream)
         out = {}
         for j in jobs:
@@ -275,6 +284,12 @@ class OffloadEngine:
 
     def _gather(self, group: int, hashes: list[int]) -> Ids:
         """Referenced host blocks for the available prefix of ``hashes``, fetching store runs into the host."""
+        if self.store is None:  # the host prefix only: one pass over the hashes finds and pins it
+            found = self.index.blocks_of(group, hashes)
+            missing = np.flatnonzero(found < 0)
+            ids = found[: int(missing[0])] if missing.size else found
+            self.index.ref(group, ids)
+            return ids
         runs = self._runs(group, hashes)
         parts: list[Ids] = []
         n = 0
@@ -320,9 +335,10 @@ class OffloadEngine:
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Before layer ``layer_name`` reads its KV: wait for that layer's H2D only (later layers keep copying)."""
-        self._group_of(layer_name)
         event = self._layer_events.pop(layer_name, None)
-        if event is not None and not event.query():  # a layer already copied costs no wait (no lock, no sync)
+        if event is None:
+            self._group_of(layer_name)  # an unknown name raises
+        elif not event.query():  # a layer already copied costs no wait (no lock, no sync)
             self.copier.order_compute_after(event)
 
     # -- completion and aborts ----------------------------------------------------------------------------
@@ -335,6 +351,8 @@ class OffloadEngine:
         for rid, load in list(self._loading.items()):
             if load.event is None or load.event.query():
                 del self._loading[rid]
+                if load.plan is not None:  # its event completed: no copy reads the plan any more
+                    self.copier.recycle(load.plan)
                 record_offload(self, load, "read")
                 for g, blocks in load.groups.items():
                     self.index.release(g, blocks.host_ids)
@@ -343,6 +361,8 @@ class OffloadEngine:
             self.store.poll()
 
     def _finish_store(self, job: StoreJob) -> None:
+        for plan, _ in job.plans.values():  # its event completed: no copy reads these plans any more
+            self.copier.recycle(plan)
         record_offload(self, job, "write")
         for g, blocks in job.groups.items():
             if job.aborted:

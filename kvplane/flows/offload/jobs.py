@@ -50,6 +50,8 @@ class LoadJob:
     started: float = field(default_factory=time.monotonic)  # the metrics' transfer latency
     tokens: int = 0  # leading tokens this load fills (the fewest over the groups asked for)
     error_block_ids: dict[int, list[int]] = field(default_factory=dict)
+    # the plan its H2D runs (shared by the loads started with it; held by one of them), recycled at retirement
+    plan: CopyPlan | None = None
 
 
 def paired(
