@@ -32,8 +32,8 @@ def _side(conns: list[Conn]) -> Any:
     side.local = SimpleNamespace(arena=None, handshake=lambda: None, generation=0,
                                  transport=SimpleNamespace(generation=0))
 
-    def start(want: Want) -> None:
-        want.pending = set(range(want.params.tp_size))  # what Starter._start_push leaves behind
+    def start(want: Want) -> set[int]:
+        return set(range(want.params.tp_size))  # the ranks a push registered with, as Starter.start returns
 
     side._starter = SimpleNamespace(start=start, relayout=lambda want: None)
     side._conns = {(c.host, c.port): c for c in conns}

@@ -269,14 +269,14 @@ class DecodeSide(SideLifecycle):
     def _start(self, want: Want) -> None:
         for conn in want.conns:
             conn.waiting.discard(want.request_id)
-        self._starter.start(want)  # calls _cannot_plan when it cannot
+        try:
+            ranks = self._starter.start(want)
+        except KvplaneError as e:  # nothing was submitted: the prefill ranks are told, so they free it now
+            self._run(want, want.machine.cannot_plan(str(e)))
+            return
         machine = want.machine
         if machine.phase is Phase.CONNECT and machine.verdict is None:
-            self._run(want, machine.no_room() if want.waiting_staging else machine.started(sorted(want.pending)))
-
-    def _cannot_plan(self, want: Want, reason: str) -> None:
-        """The ``Starter`` could not plan the request (nothing was submitted)."""
-        self._run(want, want.machine.cannot_plan(reason))
+            self._run(want, machine.no_room() if ranks is None else machine.started(sorted(ranks)))
 
     def _moved(self, want: Want, rank: int, error: KvplaneError | None) -> None:
         """A READ's callback from the transfer thread, on the loop."""

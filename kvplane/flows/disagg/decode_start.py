@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvplane.blocks.groups import Ids
-from kvplane.errors import KvplaneError
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import PushRegister
@@ -51,34 +50,16 @@ class Starter:
         """Drop re-layouts not begun (the side is closing: nobody reports them), and let a running one end."""
         self.relayouts.close(discard_pending=True, timeout_s=5.0)
 
-    def start(self, want: Want) -> None:
-        """Plan the request, take its staging room and submit its READs (pull) or send its registration (push);
-        with no staging room free for now, leave it waiting (retried on each tick until its deadline)."""
-        try:
-            sources = layers_by_source(self.side.local.manifest, want.params.tp_size, want.params.remote_request_id)
-            if want.mode == "pull":
-                pull = self._plan_pull(want, sources)
-                if self._waits(want, pull is None):
-                    return
-                assert pull is not None
-                self._start_reads(want, *pull)
-            else:
-                staging = self._take_staging(want, sources)
-                if self._waits(want, staging is None):
-                    return
-                assert staging is not None
-                self._start_push(want, sources, staging)
-        except KvplaneError as e:
-            self._cannot_plan(want, e)
-
-    def _waits(self, want: Want, no_room: bool) -> bool:
-        want.waiting_staging = no_room
-        return no_room
-
-    def _cannot_plan(self, want: Want, error: KvplaneError) -> None:
-        """Fail the request and tell the prefill ranks (a pull's ``ReadDone``, a push's ``Cancel``), so they free
-        its blocks now instead of at the end of their lease. No push registration was sent yet."""
-        self.side._cannot_plan(want, str(error))
+    def start(self, want: Want) -> set[int] | None:
+        """Plan the request, take its staging room and submit its READs (pull) or send its registration (push):
+        the prefill ranks it went to, or None while no staging room is free (retried on each tick until its
+        deadline). Raises ``KvplaneError`` when it cannot be planned; nothing was submitted then."""
+        sources = layers_by_source(self.side.local.manifest, want.params.tp_size, want.params.remote_request_id)
+        if want.mode == "pull":
+            pull = self._plan_pull(want, sources)
+            return None if pull is None else self._start_reads(want, *pull)
+        staging = self._take_staging(want, sources)
+        return None if staging is None else self._start_push(want, sources, staging)
 
     def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
         """A push's staging ``(offset, bytes)`` per prefill rank that needs it, for the whole request; None when
@@ -144,8 +125,7 @@ class Starter:
         return route_plan(src, self.side.local.manifest, want.remote_ids, want.block_ids, want.num_tokens, layers,
                           staging)
 
-    def _start_reads(self, want: Want, direct: Direct, chunks: list[Chunk], offset: int, slots: int) -> None:
-        want.pending = set(direct)
+    def _start_reads(self, want: Want, direct: Direct, chunks: list[Chunk], offset: int, slots: int) -> set[int]:
         pull = None
         if chunks:
             slot_bytes = max(c.nbytes for c in chunks)
@@ -161,8 +141,10 @@ class Starter:
             self.side._mover.put(conn.record.handle, tp.plan, ended)
         if pull is not None:
             pull.pump()
+        return set(direct)
 
-    def _start_push(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]) -> None:
+    def _start_push(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]
+                    ) -> set[int]:
         for rank, layers in sources.items():
             area = staging.get(rank)
             if area:  # plan here too, for the staged layers this rank re-lays out once the push lands
@@ -171,7 +153,6 @@ class Starter:
                 tp = route_plan(conn.record.manifest, self.side.local.manifest, _stand_in_ids(conn, want.num_tokens),
                                 want.block_ids, want.num_tokens, layers, (self.side.local.staging_addr + area[0], area[1]))
                 want.staged.append((area[0], area[1], tp))
-        want.pending = set(range(want.params.tp_size))
         for conn in want.conns:
             assert conn.record is not None
             area = staging.get(conn.rank)
@@ -187,6 +168,7 @@ class Starter:
                 expect_boot=conn.record.boot_id,
                 token=want.params.kvplane_token,
             ), self.side.counters)
+        return set(range(want.params.tp_size))
 
     def relayout(self, want: Want) -> None:
         staging = self.side.local.staging

@@ -40,8 +40,8 @@ class Conn:
 
 @dataclass
 class Want:
-    """One request this rank is receiving KV for: what the ``Starter`` plans from and fills in (``pending``, the
-    ranks it submitted to; ``staged``; ``waiting_staging``), and the request's ``machine``, which owns its phase."""
+    """One request this rank is receiving KV for: what the ``Starter`` plans from and fills in (``staged``: a
+    push's staging ranges and re-layout plans), and the request's ``machine``, which owns its phase."""
 
     request_id: str
     params: TransferParams
@@ -51,9 +51,7 @@ class Want:
     mode: str  # "pull" or "push"
     machine: DecodeRequest
     conns: list[Conn] = field(default_factory=list)
-    pending: set[int] = field(default_factory=set)  # prefill ranks the Starter submitted READs to (or registered)
     staged: list[tuple[int, int, TransferPlan]] = field(default_factory=list)  # (offset, bytes, plan)
-    waiting_staging: bool = False
 
 
 @dataclass

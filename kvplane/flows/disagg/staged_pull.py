@@ -17,7 +17,6 @@ the loop thread; only ``_relayout`` runs on the re-layout thread.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING
@@ -31,8 +30,6 @@ from kvplane.runtime.executor import Executor
 
 if TYPE_CHECKING:
     from kvplane.flows.disagg.decode import DecodeSide
-
-logger = logging.getLogger("kvplane.disagg")
 
 
 class StagedPull:
