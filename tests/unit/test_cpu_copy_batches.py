@@ -124,3 +124,25 @@ def test_a_failed_part_poisons_the_stream_and_later_events_never_complete() -> N
     assert events[0].query() and not events[1].query()
     assert calls == [0, 1]
     del plan
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_scattered_descriptors_of_mixed_sizes_and_alignments_are_byte_exact(threads: int) -> None:
+    """The copy prefetches ahead across descriptor ends and stops at its slice's end: every size around a cache
+    line, a page and the prefetch distance, odd addresses, shuffled, over the parallel threshold."""
+    rng = np.random.default_rng(7)
+    sizes = [1, 63, 64, 65, 4095, 4096, 4097, 16 << 10, (16 << 10) + 3, 18 << 10, 100_003, 3 * MiB + 5]
+    lengths = [sizes[i % len(sizes)] for i in range(260)]
+    total = sum(lengths)
+    assert total > 8 * MiB  # split over the pool when threads > 1
+    src = rng.integers(0, 255, total + 4096, dtype=np.uint8)
+    dst = np.zeros(total + 4096, np.uint8)
+    src_at = np.cumsum([0, *lengths[:-1]]) + 3  # odd starts
+    order = rng.permutation(len(lengths))  # the destination order is a shuffle of the source order
+    dst_at = np.empty(len(lengths), np.int64)
+    dst_at[order] = np.cumsum([0, *[lengths[i] for i in order[:-1]]]) + 5
+    copy_plan(byte_plan(src, dst, list(zip(src_at.tolist(), dst_at.tolist(), lengths))), threads)
+    expected = np.zeros_like(dst)
+    for a, b, n in zip(src_at, dst_at, lengths):
+        expected[b : b + n] = src[a : a + n]
+    np.testing.assert_array_equal(dst, expected)
