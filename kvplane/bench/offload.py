@@ -7,7 +7,9 @@ The device cache is per-layer tensors, or (``cross_layer``, the ``-xl`` rows) vL
 pool, prefix index); every rep stores a fresh prefix, so the host tier evicts the previous one, as in steady
 state. ``load`` times ``start_load`` + ``wait_for_layer`` per layer + ``get_finished`` of a prefix the host tier
 holds. Bytes are compared after a store and a load (device blocks in, device blocks out), once per rig: the
-store and load rows of a model share the rig and the comparison.
+store and load rows of a model share the rig and the comparison. Each baseline ``copy_`` is followed by an
+untimed pause (``SETTLE_S``), so torch's OpenMP worker, still spinning after it, does not take a core from
+kvplane's next rep.
 
 The load scenario also measures overlap: a forward with a simulated compute of ``load time / layers`` per layer
 (a sleep: like device compute it leaves the CPU to the copies), run layer-wise (``wait_for_layer`` before each
@@ -31,7 +33,7 @@ import numpy.typing as npt
 
 from kvplane.backend.base import Backend
 from kvplane.bench.held import Held
-from kvplane.bench.local_copy import same_blocks
+from kvplane.bench.local_copy import SETTLE_S, same_blocks
 from kvplane.bench.models import model_spec
 from kvplane.bench.peer import cross_layer_cache
 from kvplane.bench.results import BenchResult, make_result
@@ -269,7 +271,7 @@ def run_offload(
             backend.synchronize()
 
     descriptors = rig.descriptors(hashes, direction)
-    samples = interleave(ours, raw)
+    samples = interleave(ours, raw, settle_s=SETTLE_S)
     if direction == "load":
         params.update(overlap(rig, hashes, samples.median, new_id))
         params["note"] = (f"load hidden behind layer compute: {params['overlap_hidden']:.2f} "
