@@ -191,8 +191,9 @@ def _ceiling_params(same_plan: list[float], samples: Samples) -> dict[str, objec
         "raw_same_plan_ms": round(ceiling_s * 1e3, 1),
         "engine_gain": round(gain, 3),
         "of_ceiling": round(of_ceiling, 3),
-        "note": (f"the raw engine moving kvplane's descriptors: {ceiling_s * 1e3:.0f} ms, x{gain:.2f} its per-layer "
-                 f"speed (the most the ratio can reach); kvplane runs at {of_ceiling:.2f} of that"),
+        "note": (f"the raw engine moving kvplane's descriptors: {ceiling_s * 1e3:.0f} ms, x{gain:.2f} its speed on "
+                 f"per-layer blocks (what bigger descriptors give the engine itself); kvplane runs at {of_ceiling:.2f} "
+                 f"of that"),
     }
 
 
