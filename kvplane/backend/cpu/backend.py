@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from kvplane.backend.base import Backend, Direction, Event, Probe, Stream
+from kvplane.backend.cpu import huge_pages
 from kvplane.backend.cpu.memcpy import copy_plan, default_threads
 from kvplane.backend.cpu.streams import CpuEvent, HostStream, WorkerStream
 from kvplane.descriptors import CopyPlan
@@ -27,6 +28,7 @@ class CpuBackend(Backend):
     mooncake_protocol = "tcp"
     nixl_memory_type = "DRAM"
     layouts: ClassVar[dict[str, str]] = {"gqa": "packed_kv", "mla": "mla_fused", "index": "index"}
+    huge_pages_min_bytes: ClassVar[int] = 8 << 20  # buffers this big ask for 2 MiB pages (huge_pages.py)
 
     def __init__(self, device_index: int = 0, *, copy_threads: int | None = None) -> None:
         super().__init__(device_index)
@@ -57,7 +59,14 @@ class CpuBackend(Backend):
     def _alloc_host(self, nbytes: int, pinned: bool) -> torch.Tensor:
         import torch
 
-        return torch.empty(nbytes, dtype=torch.uint8)  # nothing to pin without a device
+        buf = torch.empty(nbytes, dtype=torch.uint8)  # nothing to pin without a device
+        huge_pages.advise(buf, self.huge_pages_min_bytes)
+        return buf
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        buf = super().alloc_device(nbytes)
+        huge_pages.advise(buf, self.huge_pages_min_bytes)
+        return buf
 
     def _copy(self, plan: CopyPlan, begin: int = 0, end: int = -1) -> None:
         copy_plan(plan, self.copy_threads, begin, end)  # every copy is a host memcpy here, whatever direction

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from contextlib import ExitStack
 from functools import partial
 from typing import Any, Literal
 
@@ -108,8 +109,12 @@ class DecodeSide(SideLifecycle):
         self._active: set[str] = set()  # the engine thread's view: started and not yet reported
         self._next_heartbeat = 0.0
         self._next_check = 0.0
-        self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick, self._publish)
-        self._guard = Guard(self._loop.context, curve_keys(config, "decode"))
+        with ExitStack() as undo:  # keys refused at start: give back what was built so far, then raise
+            undo.callback(self.local.close)
+            self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick, self._publish)
+            undo.callback(self._loop.context.destroy, linger=0)  # never started: close its sockets, end it
+            self._guard = Guard(self._loop.context, curve_keys(config, "decode"))
+            undo.pop_all()
         self._mover = Mover(f"kvplane-decode-{config.rank}-transfers", self.local.transport, "READ",
                             config.max_inflight, self._loop.submit, on_reset=self._on_reset)
         self._starter = Starter(self)

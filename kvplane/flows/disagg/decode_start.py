@@ -63,8 +63,10 @@ class Starter:
 
     def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
         """A push's staging ``(offset, bytes)`` per prefill rank that needs it, for the whole request; None when
-        the arena is full for now."""
-        out: dict[int, tuple[int, int]] = {}
+        the arena is full for now. All ranks' ranges are taken or none: their summed need is checked against the
+        buffer before anything is taken."""
+        arena = self.side.local.arena
+        needs: dict[int, int] = {}
         for rank, layers in sources.items():
             conn = want.conns[rank]
             assert conn.record is not None
@@ -73,20 +75,25 @@ class Starter:
                 need = staging_needed(conn.record.manifest, self.side.local.manifest,
                                       _stand_in_ids(conn, want.num_tokens), want.block_ids, want.num_tokens, layers)
                 conn.stages[key] = need > 0
-                if need > self.side.local.arena.size:
-                    raise DisaggError(
-                        f"a push stages the whole request at once (the prefill writes into one range; a pull stages "
-                        f"in bounded chunks): request {want.request_id!r} needs {need} B from prefill rank {rank} but "
-                        f"DisaggConfig.staging_bytes={self.side.local.arena.size}; raise it to at least {need}, or "
-                        f"pull requests this large"
-                    )
                 if need:
-                    offset = self.side.local.arena.take(need)
-                    if offset is None:
-                        for o, _ in out.values():
-                            self.side.local.arena.give(o)
-                        return None
-                    out[rank] = (offset, need)
+                    needs[rank] = need
+        sizes = list(needs.values())  # taken in this order; only the last may end in the buffer's unaligned tail
+        total = sum(_stride(n) for n in sizes[:-1]) + (sizes[-1] if sizes else 0)
+        if total > arena.size:
+            per_rank = ", ".join(f"rank {r}: {n} B" for r, n in needs.items())
+            raise DisaggError(
+                f"a push stages the whole request at once (the prefill writes into one range; a pull stages "
+                f"in bounded chunks): request {want.request_id!r} needs {total} B ({per_rank}) but "
+                f"DisaggConfig.staging_bytes={arena.size}; raise it to at least {total}, or pull requests this large"
+            )
+        out: dict[int, tuple[int, int]] = {}
+        for rank, need in needs.items():
+            offset = arena.take(need)
+            if offset is None:
+                for o, _ in out.values():
+                    arena.give(o)
+                return None
+            out[rank] = (offset, need)
         return out
 
     def _plan_pull(self, want: Want, sources: dict[int, list[str]]) -> tuple[Direct, list[Chunk], int, int] | None:
