@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
-from itertools import compress
 
 import numpy as np
 
@@ -33,6 +32,7 @@ from kvplane.flows.offload.errors import OffloadError
 from kvplane.flows.offload.host_pool import HostPool
 from kvplane.flows.offload.index import HostIndex
 from kvplane.flows.offload.jobs import GroupBlocks, LoadJob, StoreJob, paired
+from kvplane.flows.offload.keyed_pool import as_hashes
 from kvplane.flows.offload.keys import fingerprint
 from kvplane.flows.offload.spill import StoreLink
 from kvplane.flows.offload.store import StoreTier
@@ -138,14 +138,15 @@ class OffloadEngine:
         self._check_new(request_id)
         before_evict = self.store.before_evict if self.store is not None else None
         groups: dict[int, GroupBlocks] = {}
-        for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
+        for g, (hash_list, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
+            hashes = as_hashes(hash_list)  # once: the index and the job's finish read this array
             found = self.index.blocks_of(g, hashes)
             held = found >= 0
             if held.any():
                 cached = found[held]
                 self.index.ref(g, cached)
                 self.index.release(g, cached)  # touch: most recently used
-            new = list(compress(hashes, (~held).tolist())) if held.any() else hashes
+            new = hashes[~held] if held.any() else hashes
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
                 groups[g] = GroupBlocks(device_ids[~held][: len(ids)], ids, new[: len(ids)])
@@ -271,10 +272,11 @@ class OffloadEngine:
         job = LoadJob(request_id, {})
         tokens: list[int] = []
         for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
-            host_ids = self._gather(g, hashes)
+            keys = as_hashes(hashes)  # once: the host index reads this array
+            host_ids = self._gather(g, hashes, keys)
             m = len(host_ids)
             if m:
-                job.groups[g] = GroupBlocks(device_ids[:m], host_ids, hashes[:m])
+                job.groups[g] = GroupBlocks(device_ids[:m], host_ids, keys[:m])
             if m < len(hashes):
                 job.error_block_ids[g] = device_ids[m:].tolist()
                 self._load_errors.update(job.error_block_ids[g])
@@ -282,10 +284,11 @@ class OffloadEngine:
         job.tokens = min(tokens) if tokens else 0
         return job
 
-    def _gather(self, group: int, hashes: list[int]) -> Ids:
-        """Referenced host blocks for the available prefix of ``hashes``, fetching store runs into the host."""
+    def _gather(self, group: int, hashes: list[int], keys: Ids) -> Ids:
+        """Referenced host blocks for the available prefix of ``hashes`` (``keys``: the same as an array),
+        fetching store runs into the host."""
         if self.store is None:  # the host prefix only: one pass over the hashes finds and pins it
-            found = self.index.blocks_of(group, hashes)
+            found = self.index.blocks_of(group, keys)
             missing = np.flatnonzero(found < 0)
             ids = found[: int(missing[0])] if missing.size else found
             self.index.ref(group, ids)
@@ -370,7 +373,7 @@ class OffloadEngine:
                 continue
             keyed = self.index.cache(g, blocks.host_ids, blocks.hashes)
             if self.store is not None and self.store.write_through and keyed.any():
-                self.store.write(g, blocks.host_ids[keyed], [h for h, k in zip(blocks.hashes, keyed) if k])
+                self.store.write(g, blocks.host_ids[keyed], blocks.hashes[keyed].tolist())
                 self.index.release(g, blocks.host_ids[~keyed])
             else:
                 self.index.release(g, blocks.host_ids)

@@ -24,7 +24,7 @@ class GroupBlocks:
 
     device_ids: Ids
     host_ids: Ids
-    hashes: list[int]
+    hashes: Ids
 
 
 @dataclass

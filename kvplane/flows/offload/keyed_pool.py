@@ -1,0 +1,132 @@
+"""``KeyedPool``: the host index's ``BlockPool``, its prefix keys int64 in one flat table instead of a dict.
+
+``BlockPool`` keys blocks with a Python dict and an object array: every block of a request then costs a few
+dict operations per call (lookup at start, insert at finish, pop when evicted), each a handful of cache
+misses on a machine whose caches the copies just flushed; with 625 blocks a request (10k tokens) that was
+about half of the offload engine's own CPU time. Here a block's key is an int64 in ``key_of`` and the hash
+-> block map is an open-addressing table of two int64 arrays, worked by one C pass per call
+(``kvplane/_native/keytable.c``), or by ``_DictTable`` with the same calls where the extension is not built.
+Hashes are int64 (kvplane's are non-negative int64, the vLLM connector's the first 8 bytes of vLLM's, signed);
+others raise, naming the value. Refcounts, the free list and the LRU are ``BlockPool``'s, unchanged. Only
+``HostIndex`` uses it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplane.blocks.pool import BlockPool
+from kvplane.descriptors import Int64Array as I64
+from kvplane.errors import BlockError
+
+_native: ModuleType | None
+try:
+    _native = importlib.import_module("kvplane._native._keytable")
+except ImportError:
+    _native = None
+
+
+def as_hashes(hashes: Sequence[int] | I64) -> I64:
+    """Hashes as an int64 array (a list is converted once; an array of another integer type is cast)."""
+    if isinstance(hashes, np.ndarray):
+        return hashes.astype(np.int64, copy=False).ravel()
+    try:
+        return np.array(hashes, dtype=np.int64).reshape(-1)
+    except OverflowError:
+        bad = next(h for h in hashes if not -(1 << 63) <= int(h) < 1 << 63)
+        raise BlockError(
+            f"block hash {bad} does not fit int64; the host index keys prefixes by int64 hashes "
+            f"(kvplane.blocks.block_hashes gives them)"
+        ) from None
+
+
+class _DictTable:
+    """``keytable``'s three calls over a dict, for a build without the extension (same results)."""
+
+    def __init__(self) -> None:
+        self.map: dict[int, int] = {}
+
+    def get(self, keys: Any, vals: Any, hashes: I64, out: I64) -> None:
+        out[:] = np.fromiter(map(self.map.get, hashes.tolist(), [-1] * hashes.size), np.int64, hashes.size)
+
+    def cache(self, keys: Any, vals: Any, key_of: I64, hashed: Any, ids: I64, hashes: I64, out: Any) -> None:
+        m = self.map
+        for i, (b, h) in enumerate(zip(ids.tolist(), hashes.tolist())):
+            held = m.get(h)
+            if held is not None:
+                out[i] = held == b
+                continue
+            if hashed[b]:
+                m.pop(int(key_of[b]), None)
+            key_of[b], hashed[b], m[h], out[i] = h, True, b, True
+
+    def forget(self, keys: Any, vals: Any, key_of: I64, hashed: Any, ids: I64) -> None:
+        for b in ids.tolist():
+            if hashed[b]:
+                k = int(key_of[b])
+                if self.map.get(k) == b:
+                    del self.map[k]
+                hashed[b] = False
+
+
+class KeyedPool(BlockPool):
+    def __init__(self, num_blocks: int, native: bool = True) -> None:
+        super().__init__(num_blocks)
+        self._key_of = np.zeros(num_blocks, dtype=np.int64)  # a block's hash where _hashed
+        capacity = 1 << max(1, (2 * num_blocks - 1).bit_length())  # at least twice the keys it can hold
+        self._keys = np.zeros(capacity, dtype=np.int64)
+        self._vals = np.full(capacity, -1, dtype=np.int64)  # -1: an empty slot
+        self._table: Any = _native if native and _native is not None else _DictTable()
+
+    # -- queries (no side effects) -------------------------------------------------------------------------
+    def lookup(self, block_hash: int) -> int | None:
+        b = int(self.blocks_of([block_hash])[0])
+        return None if b < 0 else b
+
+    def hash_of(self, block_id: int) -> int | None:
+        b = int(self._checked([block_id])[0])
+        return int(self._key_of[b]) if self._hashed[b] else None
+
+    def hashes_of(self, block_ids: Sequence[int] | I64) -> list[int | None]:
+        ids = self._checked(block_ids)
+        keyed: list[int] = self._key_of[ids].tolist()
+        return [k if h else None for k, h in zip(keyed, self._hashed[ids].tolist())]
+
+    def keys_of(self, block_ids: I64) -> I64:
+        """The hashes of keyed blocks, as an int64 array (``hashes_of`` without the Python list)."""
+        return self._key_of[self._checked(block_ids)]
+
+    def blocks_of(self, hashes: Sequence[int] | I64) -> I64:
+        h = as_hashes(hashes)
+        out = np.empty(h.size, dtype=np.int64)
+        self._table.get(self._keys, self._vals, h, out)
+        return out
+
+    # -- state changes -------------------------------------------------------------------------------------
+    def cache(self, block_id: int, block_hash: int) -> bool:
+        return bool(self.cache_many([block_id], [block_hash])[0])
+
+    def cache_many(self, block_ids: Sequence[int] | I64, hashes: Sequence[int] | I64) -> npt.NDArray[np.bool_]:
+        """Key each block by its hash in order, as ``cache`` one at a time would: False where another block
+        already holds that hash (nothing changes for it); a block keyed before loses its old hash."""
+        ids = self._checked(block_ids)
+        h = as_hashes(hashes)
+        if h.size != ids.size:
+            raise BlockError(f"{ids.size} block ids but {h.size} hashes; pass one hash per block")
+        idle = ids[self._refs[ids] == 0]
+        if idle.size:
+            raise BlockError(f"block {int(idle[0])} is not referenced; only a block being filled can be cached")
+        out = np.empty(ids.size, dtype=np.bool_)
+        self._table.cache(self._keys, self._vals, self._key_of, self._hashed.view(np.uint8),
+                          np.ascontiguousarray(ids), np.ascontiguousarray(h), out.view(np.uint8))
+        return out
+
+    def _forget(self, blocks: I64) -> None:
+        self._table.forget(self._keys, self._vals, self._key_of, self._hashed.view(np.uint8),
+                           np.ascontiguousarray(blocks, dtype=np.int64))
