@@ -18,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 typedef struct {
     int64_t *keys, *vals;
@@ -207,10 +208,268 @@ fail:
     return NULL;
 }
 
+
+/* ---- the pool around the table: refcounts, a free ring and a lazily-deleted LRU ring -----------------------
+ * State (numpy arrays the caller owns): keys, vals (the table), key_of, hashed (per block), refs (int64 per
+ * block), ticket (int64 per block: its LRU position while cached and unreferenced, else -1), free_ring and
+ * lru_ring (int64, power-of-two sizes: free >= blocks, lru >= 2 x blocks) and meta (int64: free head, free
+ * tail, lru head, lru tail, live lru entries; positions only grow, slot = position & (size - 1)). An LRU entry
+ * at position p is live while ticket[its block] == p; stale ones are skipped and dropped by compaction. Every
+ * call validates first and changes nothing when it returns an error (kind, block id); (0, -1) is success. */
+enum { F_HEAD, F_TAIL, L_HEAD, L_TAIL, L_LIVE };
+enum { OK = 0, E_RANGE = 1, E_OVER = 2, E_FREE = 3 };
+#define NSTATE 9
+
+typedef struct {
+    table_t t;
+    int64_t *key_of, *refs, *ticket, *free_ring, *lru_ring, *meta;
+    uint8_t *hashed;
+    int64_t blocks;
+    uint64_t fmask, lmask;
+} pool_t;
+
+static int parse_pool(PyObject *args, int extra, const char **extra_names, const int *extra_writable,
+                      Py_buffer *v, pool_t *p) {
+    static const char *names[NSTATE] = {"keys", "vals", "key_of", "hashed", "refs", "ticket", "free_ring",
+                                        "lru_ring", "meta"};
+    const char *all_names[NSTATE + 2];
+    int writable[NSTATE + 2];
+    Py_ssize_t size[NSTATE + 2];
+    for (int i = 0; i < NSTATE; i++) { all_names[i] = names[i]; writable[i] = 1; size[i] = i == 3 ? 1 : 8; }
+    for (int i = 0; i < extra; i++) {
+        all_names[NSTATE + i] = extra_names[i];
+        writable[NSTATE + i] = extra_writable[i];
+        size[NSTATE + i] = 8;
+    }
+    int got = parse(args, NSTATE + extra, all_names, writable, size, v, &p->t);
+    if (got < NSTATE + extra || PyErr_Occurred()) return got;
+    p->key_of = v[2].buf; p->hashed = v[3].buf; p->refs = v[4].buf; p->ticket = v[5].buf;
+    p->free_ring = v[6].buf; p->lru_ring = v[7].buf; p->meta = v[8].buf;
+    p->blocks = v[2].len / 8;
+    Py_ssize_t fcap = v[6].len / 8, lcap = v[7].len / 8;
+    if (v[3].len != p->blocks || v[4].len / 8 != p->blocks || v[5].len / 8 != p->blocks || v[8].len / 8 < 5
+        || fcap < p->blocks || (fcap & (fcap - 1)) || lcap < 2 * p->blocks || (lcap & (lcap - 1))) {
+        PyErr_SetString(PyExc_ValueError, "keytable pool: state arrays disagree in size");
+        return got;
+    }
+    p->fmask = (uint64_t)fcap - 1;
+    p->lmask = (uint64_t)lcap - 1;
+    return got;
+}
+
+static PyObject *result(int kind, int64_t block) { return Py_BuildValue("(iL)", kind, (long long)block); }
+
+static int64_t range_error(const pool_t *p, const int64_t *ids, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= p->blocks) return i;
+    return -1;
+}
+
+static void forget_key(pool_t *p, int64_t b) {
+    if (!p->hashed[b]) return;
+    int64_t s = find(&p->t, p->key_of[b]);
+    if (s >= 0 && p->t.vals[s] == b) erase(&p->t, (uint64_t)s);
+    p->hashed[b] = 0;
+}
+
+static void compact_lru(pool_t *p) {
+    int64_t *m = p->meta, out = m[L_HEAD];
+    for (int64_t pos = m[L_HEAD]; pos < m[L_TAIL]; pos++) {
+        int64_t b = p->lru_ring[pos & p->lmask];
+        if (p->ticket[b] == pos) {
+            p->lru_ring[out & p->lmask] = b;
+            p->ticket[b] = out++;
+        }
+    }
+    m[L_TAIL] = out;
+}
+
+static void lru_push(pool_t *p, int64_t b) {
+    int64_t *m = p->meta;
+    if ((uint64_t)(m[L_TAIL] - m[L_HEAD]) > p->lmask) compact_lru(p); /* full: live entries <= blocks fit */
+    p->lru_ring[m[L_TAIL] & p->lmask] = b;
+    p->ticket[b] = m[L_TAIL]++;
+    m[L_LIVE]++;
+}
+
+static void lru_leave(pool_t *p, int64_t b) {
+    p->ticket[b] = -1;
+    p->meta[L_LIVE]--;
+}
+
+static void free_push(pool_t *p, int64_t b) { p->free_ring[p->meta[F_TAIL]++ & p->fmask] = b; }
+
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* unref(state..., ids): one reference less each; blocks reaching 0 go, in block id order, to the LRU (keyed)
+ * or the free ring. (E_RANGE, i) for an unknown id at index i, (E_OVER, b) when b is released more times than
+ * it is referenced. */
+static PyObject *kt_unref(PyObject *self, PyObject *args) {
+    static const char *names[] = {"ids"};
+    static const int writable[] = {0};
+    Py_buffer v[NSTATE + 1];
+    pool_t p;
+    int got = parse_pool(args, 1, names, writable, v, &p);
+    PyObject *res = NULL;
+    int64_t *released = NULL;
+    if (got < NSTATE + 1 || PyErr_Occurred()) goto done;
+    const int64_t *ids = v[NSTATE].buf;
+    Py_ssize_t n = v[NSTATE].len / 8;
+    int64_t bad = range_error(&p, ids, n);
+    if (bad >= 0) { res = result(E_RANGE, bad); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (--p.refs[ids[i]] < 0) {
+            int64_t b = ids[i];
+            for (Py_ssize_t j = 0; j <= i; j++) p.refs[ids[j]]++;
+            res = result(E_OVER, b);
+            goto done;
+        }
+    }
+    released = n > 0 ? malloc(sizeof(int64_t) * (size_t)n) : NULL;
+    if (n > 0 && released == NULL) { PyErr_NoMemory(); goto done; }
+    Py_ssize_t k = 0;
+    int sorted = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (p.refs[ids[i]] == 0) {
+            if (k && ids[i] <= released[k - 1]) sorted = 0;
+            released[k++] = ids[i];
+        }
+    }
+    if (!sorted) qsort(released, (size_t)k, sizeof(int64_t), cmp_i64);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64_t b = released[i];
+        if (i && b == released[i - 1]) continue; /* repeated in ids: released once */
+        if (p.hashed[b]) lru_push(&p, b); else free_push(&p, b);
+    }
+    res = result(OK, -1);
+done:
+    free(released);
+    release(v, got);
+    return res;
+}
+
+/* ref(state..., ids): one reference more each; a cached block leaves the LRU. (E_FREE, b): the smallest id
+ * that is neither referenced nor cached. */
+static PyObject *kt_ref(PyObject *self, PyObject *args) {
+    static const char *names[] = {"ids"};
+    static const int writable[] = {0};
+    Py_buffer v[NSTATE + 1];
+    pool_t p;
+    int got = parse_pool(args, 1, names, writable, v, &p);
+    PyObject *res = NULL;
+    if (got < NSTATE + 1 || PyErr_Occurred()) goto done;
+    const int64_t *ids = v[NSTATE].buf;
+    Py_ssize_t n = v[NSTATE].len / 8;
+    int64_t bad = range_error(&p, ids, n), worst = -1;
+    if (bad >= 0) { res = result(E_RANGE, bad); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t b = ids[i];
+        if (p.refs[b] == 0 && p.ticket[b] < 0 && (worst < 0 || b < worst)) worst = b;
+    }
+    if (worst >= 0) { res = result(E_FREE, worst); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t b = ids[i];
+        if (p.refs[b]++ == 0) lru_leave(&p, b);
+    }
+    res = result(OK, -1);
+done:
+    release(v, got);
+    return res;
+}
+
+/* allocate(state..., out): len(out) blocks with refcount 1, free ones first, then the oldest cached ones
+ * (their keys dropped). The caller checked that enough are free or evictable. */
+static PyObject *kt_allocate(PyObject *self, PyObject *args) {
+    static const char *names[] = {"out"};
+    static const int writable[] = {1};
+    Py_buffer v[NSTATE + 1];
+    pool_t p;
+    int got = parse_pool(args, 1, names, writable, v, &p);
+    PyObject *res = NULL;
+    if (got < NSTATE + 1 || PyErr_Occurred()) goto done;
+    int64_t *out = v[NSTATE].buf, *m = p.meta;
+    Py_ssize_t n = v[NSTATE].len / 8, k = 0;
+    if (n > (m[F_TAIL] - m[F_HEAD]) + m[L_LIVE]) {
+        PyErr_SetString(PyExc_ValueError, "keytable.allocate: more blocks than free or evictable");
+        goto done;
+    }
+    while (k < n && m[F_HEAD] < m[F_TAIL]) out[k++] = p.free_ring[m[F_HEAD]++ & p.fmask];
+    while (k < n) {
+        int64_t pos = m[L_HEAD]++, b = p.lru_ring[pos & p.lmask];
+        if (p.ticket[b] != pos) continue; /* stale */
+        lru_leave(&p, b);
+        forget_key(&p, b);
+        out[k++] = b;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) p.refs[out[i]] = 1;
+    res = result(OK, -1);
+done:
+    release(v, got);
+    return res;
+}
+
+/* oldest(state..., out): the len(out) cached blocks an allocation would evict first, oldest first (the caller
+ * checked there are that many); nothing changes. */
+static PyObject *kt_oldest(PyObject *self, PyObject *args) {
+    static const char *names[] = {"out"};
+    static const int writable[] = {1};
+    Py_buffer v[NSTATE + 1];
+    pool_t p;
+    int got = parse_pool(args, 1, names, writable, v, &p);
+    PyObject *res = NULL;
+    if (got < NSTATE + 1 || PyErr_Occurred()) goto done;
+    int64_t *out = v[NSTATE].buf;
+    Py_ssize_t n = v[NSTATE].len / 8, k = 0;
+    for (int64_t pos = p.meta[L_HEAD]; k < n && pos < p.meta[L_TAIL]; pos++) {
+        int64_t b = p.lru_ring[pos & p.lmask];
+        if (p.ticket[b] == pos) out[k++] = b;
+    }
+    res = result(OK, k);
+done:
+    release(v, got);
+    return res;
+}
+
+/* evict(state..., ids): cached, unreferenced blocks (the caller checked) lose their keys and become free. */
+static PyObject *kt_evict(PyObject *self, PyObject *args) {
+    static const char *names[] = {"ids"};
+    static const int writable[] = {0};
+    Py_buffer v[NSTATE + 1];
+    pool_t p;
+    int got = parse_pool(args, 1, names, writable, v, &p);
+    PyObject *res = NULL;
+    if (got < NSTATE + 1 || PyErr_Occurred()) goto done;
+    const int64_t *ids = v[NSTATE].buf;
+    Py_ssize_t n = v[NSTATE].len / 8;
+    int64_t bad = range_error(&p, ids, n);
+    if (bad >= 0) { res = result(E_RANGE, bad); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t b = ids[i];
+        if (p.refs[b] != 0 || p.ticket[b] < 0) { res = result(E_FREE, b); goto done; }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        lru_leave(&p, ids[i]);
+        forget_key(&p, ids[i]);
+        free_push(&p, ids[i]);
+    }
+    res = result(OK, -1);
+done:
+    release(v, got);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"get", kt_get, METH_VARARGS, "get(keys, vals, hashes, out): the block keyed by each hash, -1 where none"},
     {"cache", kt_cache, METH_VARARGS, "cache(keys, vals, key_of, hashed, ids, hashes, out): key blocks in order"},
     {"forget", kt_forget, METH_VARARGS, "forget(keys, vals, key_of, hashed, ids): drop the keys of blocks"},
+    {"unref", kt_unref, METH_VARARGS, "unref(state..., ids) -> (error kind, block): drop one reference each"},
+    {"ref", kt_ref, METH_VARARGS, "ref(state..., ids) -> (error kind, block): take one reference each"},
+    {"allocate", kt_allocate, METH_VARARGS, "allocate(state..., out): blocks with refcount 1, evicting the oldest"},
+    {"oldest", kt_oldest, METH_VARARGS, "oldest(state..., out) -> (0, count): the next blocks to evict"},
+    {"evict", kt_evict, METH_VARARGS, "evict(state..., ids) -> (error kind, block): cached blocks become free"},
     {NULL, NULL, 0, NULL},
 };
 

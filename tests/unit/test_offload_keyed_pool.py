@@ -81,3 +81,24 @@ def test_a_hash_outside_int64_is_refused_naming_it() -> None:
     with pytest.raises(BlockError, match=str(1 << 64)):
         pool.cache_many([b], [1 << 64])
     assert pool.hash_of(b) is None
+
+
+@pytest.mark.parametrize("native", TABLES)
+def test_many_ref_release_cycles_keep_lru_order_through_ring_compactions(native: bool) -> None:
+    """Thousands of pin/release cycles on cached blocks (what loads do) fill the LRU ring with stale entries
+    many times over: eviction still takes the least recently released first, as ``BlockPool`` does."""
+    rng = np.random.default_rng(5)
+    pool, model = KeyedPool(64, native=native), BlockPool(64)
+    for p in (pool, model):
+        blocks = p.allocate_array(64)
+        assert p.cache_many(blocks, list(range(64))).all()
+        p.unref(blocks)
+    for _ in range(3000):
+        some = rng.choice(64, int(rng.integers(1, 9)), replace=False)
+        for p in (pool, model):
+            p.ref(some)
+            p.unref(some)
+    assert pool.oldest_cached(64) == model.oldest_cached(64)
+    assert pool.allocate(10) == model.allocate(10)
+    assert pool.num_free == model.num_free == 54
+    assert pool.blocks_of(list(range(64))).tolist() == model.blocks_of(list(range(64))).tolist()

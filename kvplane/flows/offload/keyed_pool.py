@@ -7,14 +7,19 @@ about half of the offload engine's own CPU time. Here a block's key is an int64 
 -> block map is an open-addressing table of two int64 arrays, worked by one C pass per call
 (``kvplane/_native/keytable.c``), or by ``_DictTable`` with the same calls where the extension is not built.
 Hashes are int64 (kvplane's are non-negative int64, the vLLM connector's the first 8 bytes of vLLM's, signed);
-others raise, naming the value. Refcounts, the free list and the LRU are ``BlockPool``'s, unchanged. Only
-``HostIndex`` uses it.
+others raise, naming the value.
+
+With the extension, refcounts, the free list and the LRU move into the same arrays too: ``ref``, ``unref``,
+``allocate`` and eviction are one C call each over a ring of free blocks and a lazily-deleted LRU ring (an
+entry is live while the block's ticket is its position), where ``BlockPool`` spends a dozen numpy calls and
+Python lists of ints on each. Results, error messages and LRU order are ``BlockPool``'s: its reference-model
+test drives both. Without the extension, ``BlockPool``'s own methods run. Only ``HostIndex`` uses it.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -30,6 +35,11 @@ try:
     _native = importlib.import_module("kvplane._native._keytable")
 except ImportError:
     _native = None
+
+
+def _as_ids(block_ids: Iterable[int]) -> I64:
+    ids = block_ids if isinstance(block_ids, np.ndarray) else np.fromiter(block_ids, dtype=np.int64)
+    return np.ascontiguousarray(ids, dtype=np.int64).ravel()
 
 
 def as_hashes(hashes: Sequence[int] | I64) -> I64:
@@ -75,14 +85,90 @@ class _DictTable:
                 hashed[b] = False
 
 
+_RANGE, _OVER, _FREE = 1, 2, 3  # error kinds the native pool calls return with the block (or index) at fault
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(1, (n - 1).bit_length())
+
+
 class KeyedPool(BlockPool):
     def __init__(self, num_blocks: int, native: bool = True) -> None:
         super().__init__(num_blocks)
         self._key_of = np.zeros(num_blocks, dtype=np.int64)  # a block's hash where _hashed
-        capacity = 1 << max(1, (2 * num_blocks - 1).bit_length())  # at least twice the keys it can hold
+        capacity = _pow2(2 * num_blocks)  # at least twice the keys it can hold
         self._keys = np.zeros(capacity, dtype=np.int64)
         self._vals = np.full(capacity, -1, dtype=np.int64)  # -1: an empty slot
         self._table: Any = _native if native and _native is not None else _DictTable()
+        self._pool: Any = self._table if self._table is _native else None  # native refcounts and LRU
+        if self._pool is not None:
+            self._free_ring = np.zeros(_pow2(num_blocks), dtype=np.int64)
+            self._free_ring[:num_blocks] = np.arange(num_blocks)
+            self._lru_ring = np.zeros(_pow2(2 * num_blocks), dtype=np.int64)
+            self._meta = np.array([0, num_blocks, 0, 0, 0], dtype=np.int64)  # free head/tail, lru head/tail/live
+            self._state = (self._keys, self._vals, self._key_of, self._hashed.view(np.uint8), self._refs,
+                           self._ticket, self._free_ring, self._lru_ring, self._meta)
+
+    # -- the native pool (BlockPool's methods where there is none) ----------------------------------------
+    @property
+    def num_free(self) -> int:
+        if self._pool is None:
+            return super().num_free
+        return self.num_unused + int(self._meta[4])
+
+    @property
+    def num_unused(self) -> int:
+        if self._pool is None:
+            return super().num_unused
+        return int(self._meta[1] - self._meta[0])
+
+    def allocate_array(self, n: int) -> I64:
+        if self._pool is None or n < 0 or n > self.num_free:
+            return super().allocate_array(n)  # its checks raise
+        out = np.empty(n, dtype=np.int64)
+        self._pool.allocate(*self._state, out)
+        return out
+
+    def ref(self, block_ids: Iterable[int]) -> None:
+        if self._pool is None:
+            return super().ref(block_ids)
+        ids = _as_ids(block_ids)
+        kind, b = self._pool.ref(*self._state, ids)
+        if kind == _RANGE:
+            self._checked(ids)  # raises, naming the id
+        if kind == _FREE:
+            raise BlockError(f"block {b} is free, not cached; allocate it instead of ref-ing it")
+
+    def unref(self, block_ids: Iterable[int]) -> None:
+        if self._pool is None:
+            return super().unref(block_ids)
+        ids = _as_ids(block_ids)
+        kind, _ = self._pool.unref(*self._state, ids)
+        if kind == _RANGE:
+            self._checked(ids)
+        if kind == _OVER:
+            counts = np.bincount(ids, minlength=self.num_blocks)
+            b = int(np.flatnonzero(counts > self._refs)[0])
+            raise BlockError(
+                f"double free: block {b} has {int(self._refs[b])} reference(s), released {int(counts[b])} time(s)"
+            )
+
+    def _oldest(self, n: int) -> I64:
+        if self._pool is None:
+            return super()._oldest(n)
+        out = np.empty(max(n, 0), dtype=np.int64)
+        _, got = self._pool.oldest(*self._state, out)
+        return out[:got]
+
+    def evict(self, block_id: int) -> None:
+        if self._pool is None:
+            return super().evict(block_id)
+        b = int(self._checked([block_id])[0])
+        if self._refs[b] > 0:
+            raise BlockError(f"block {b} is referenced ({int(self._refs[b])}); it cannot be evicted")
+        if self._ticket[b] < 0:
+            raise BlockError(f"block {b} is free, there is nothing to evict")
+        self._pool.evict(*self._state, np.array([b], dtype=np.int64))
 
     # -- queries (no side effects) -------------------------------------------------------------------------
     def lookup(self, block_hash: int) -> int | None:
