@@ -9,10 +9,11 @@
  * few cold cache misses per block (hash, entry, key object), a probe here touches one 16-byte slot.
  *
  * get(keys, vals, hashes, out):                         out[i] = the block keyed by hashes[i], or -1
- * cache(keys, vals, key_of, hashed, ids, hashes, out):  key block ids[i] by hashes[i], in order, exactly as
- *     one call per block would: a hash another block holds is left alone (out[i] = whether that block is
- *     ids[i]); a block keyed before under another hash loses that key; key_of / hashed (int64 / uint8 per
- *     block) are kept up to date.
+ * cache(keys, vals, key_of, hashed, refs, ids, hashes, out) -> (error kind, at): key block ids[i] by
+ *     hashes[i], in order, exactly as one call per block would: a hash another block holds is left alone
+ *     (out[i] = whether that block is ids[i]); a block keyed before under another hash loses that key;
+ *     key_of / hashed (int64 / uint8 per block) are kept up to date. (1, i): ids[i] is out of range; (3, b):
+ *     block b is not referenced; then nothing changed.
  * forget(keys, vals, key_of, hashed, ids):             drop the keys of blocks ids (each keyed) and unmark them.
  */
 #define PY_SSIZE_T_CLEAN
@@ -128,27 +129,27 @@ fail:
 }
 
 static PyObject *kt_cache(PyObject *self, PyObject *args) {
-    static const char *names[] = {"keys", "vals", "key_of", "hashed", "ids", "hashes", "out"};
-    static const int writable[] = {1, 1, 1, 1, 0, 0, 1};
-    static const Py_ssize_t size[] = {8, 8, 8, 1, 8, 8, 1};
-    Py_buffer v[7];
+    static const char *names[] = {"keys", "vals", "key_of", "hashed", "refs", "ids", "hashes", "out"};
+    static const int writable[] = {1, 1, 1, 1, 0, 0, 0, 1};
+    static const Py_ssize_t size[] = {8, 8, 8, 1, 8, 8, 8, 1};
+    Py_buffer v[8];
     table_t t;
-    int got = parse(args, 7, names, writable, size, v, &t);
-    if (got < 7 || PyErr_Occurred()) goto fail;
-    Py_ssize_t blocks = v[2].len / 8, n = v[4].len / 8;
-    if (v[3].len != blocks || v[5].len / 8 != n || v[6].len != n) {
-        PyErr_SetString(PyExc_ValueError, "keytable.cache: key_of/hashed per block, ids/hashes/out per item");
-        goto fail;
+    PyObject *res = NULL;
+    int got = parse(args, 8, names, writable, size, v, &t);
+    if (got < 8 || PyErr_Occurred()) goto done;
+    Py_ssize_t blocks = v[2].len / 8, n = v[5].len / 8;
+    if (v[3].len != blocks || v[4].len / 8 != blocks || v[6].len / 8 != n || v[7].len != n) {
+        PyErr_SetString(PyExc_ValueError, "keytable.cache: key_of/hashed/refs per block, ids/hashes/out per item");
+        goto done;
     }
     int64_t *key_of = v[2].buf;
-    uint8_t *hashed = v[3].buf, *out = v[6].buf;
-    const int64_t *ids = v[4].buf, *h = v[5].buf;
-    for (Py_ssize_t i = 0; i < n; i++) { /* the caller checked every id against the pool */
-        int64_t b = ids[i];
-        if (b < 0 || b >= blocks) {
-            PyErr_Format(PyExc_ValueError, "keytable.cache: block id %lld is out of range", (long long)b);
-            goto fail;
-        }
+    const int64_t *refs = v[4].buf, *ids = v[5].buf, *h = v[6].buf;
+    uint8_t *hashed = v[3].buf, *out = v[7].buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= blocks) { res = Py_BuildValue("(in)", 1, i); goto done; }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* only a block being filled (referenced) can be keyed */
+        if (refs[ids[i]] == 0) { res = Py_BuildValue("(iL)", 3, (long long)ids[i]); goto done; }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t b = ids[i], s = find(&t, h[i]);
@@ -165,11 +166,10 @@ static PyObject *kt_cache(PyObject *self, PyObject *args) {
         insert(&t, h[i], b);
         out[i] = 1;
     }
+    res = Py_BuildValue("(in)", 0, (Py_ssize_t)-1);
+done:
     release(v, got);
-    Py_RETURN_NONE;
-fail:
-    release(v, got);
-    return NULL;
+    return res;
 }
 
 static PyObject *kt_forget(PyObject *self, PyObject *args) {
@@ -463,7 +463,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"get", kt_get, METH_VARARGS, "get(keys, vals, hashes, out): the block keyed by each hash, -1 where none"},
-    {"cache", kt_cache, METH_VARARGS, "cache(keys, vals, key_of, hashed, ids, hashes, out): key blocks in order"},
+    {"cache", kt_cache, METH_VARARGS, "cache(keys, vals, key_of, hashed, refs, ids, hashes, out) -> (error kind, at)"},
     {"forget", kt_forget, METH_VARARGS, "forget(keys, vals, key_of, hashed, ids): drop the keys of blocks"},
     {"unref", kt_unref, METH_VARARGS, "unref(state..., ids) -> (error kind, block): drop one reference each"},
     {"ref", kt_ref, METH_VARARGS, "ref(state..., ids) -> (error kind, block): take one reference each"},

@@ -146,10 +146,12 @@ class OffloadEngine:
                 cached = found[held]
                 self.index.ref(g, cached)
                 self.index.release(g, cached)  # touch: most recently used
-            new = hashes[~held] if held.any() else hashes
+                new, device_ids = hashes[~held], device_ids[~held]
+            else:  # nothing cached (a fresh prefix): the arrays as they are
+                new = hashes
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
-                groups[g] = GroupBlocks(device_ids[~held][: len(ids)], ids, new[: len(ids)])
+                groups[g] = GroupBlocks(device_ids[: len(ids)], ids, new[: len(ids)])
         layers = set().union(*(self._group_layer_set[g] for g in groups))
         job = StoreJob(request_id, groups, layers)
         for g, blocks in groups.items():
@@ -237,7 +239,9 @@ class OffloadEngine:
         by_group: dict[int, tuple[CopyPlan, list[int]]] = {}
         for g, layers in self._group_layers.items():
             parts = [j.groups[g] for j in jobs if g in j.groups]
-            if parts:
+            if len(parts) == 1:  # one request (the usual step): its ids as they are
+                by_group[g] = self.copier.load_parts(layers, parts[0].host_ids, parts[0].device_ids)
+            elif parts:
                 host_ids = np.concatenate([p.host_ids for p in parts])
                 device_ids = np.concatenate([p.device_ids for p in parts])
                 by_group[g] = self.copier.load_parts(layers, host_ids, device_ids)

@@ -37,6 +37,9 @@ except ImportError:
     _native = None
 
 
+_RANGE, _OVER, _FREE = 1, 2, 3  # error kinds the native calls return with the block (or index) at fault
+
+
 def _as_ids(block_ids: Iterable[int]) -> I64:
     ids = block_ids if isinstance(block_ids, np.ndarray) else np.fromiter(block_ids, dtype=np.int64)
     return np.ascontiguousarray(ids, dtype=np.int64).ravel()
@@ -65,7 +68,14 @@ class _DictTable:
     def get(self, keys: Any, vals: Any, hashes: I64, out: I64) -> None:
         out[:] = np.fromiter(map(self.map.get, hashes.tolist(), [-1] * hashes.size), np.int64, hashes.size)
 
-    def cache(self, keys: Any, vals: Any, key_of: I64, hashed: Any, ids: I64, hashes: I64, out: Any) -> None:
+    def cache(
+        self, keys: Any, vals: Any, key_of: I64, hashed: Any, refs: I64, ids: I64, hashes: I64, out: Any
+    ) -> tuple[int, int]:
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= key_of.size):
+            return _RANGE, 0
+        idle = ids[refs[ids] == 0]
+        if idle.size:
+            return _FREE, int(idle[0])
         m = self.map
         for i, (b, h) in enumerate(zip(ids.tolist(), hashes.tolist())):
             held = m.get(h)
@@ -75,6 +85,7 @@ class _DictTable:
             if hashed[b]:
                 m.pop(int(key_of[b]), None)
             key_of[b], hashed[b], m[h], out[i] = h, True, b, True
+        return 0, -1
 
     def forget(self, keys: Any, vals: Any, key_of: I64, hashed: Any, ids: I64) -> None:
         for b in ids.tolist():
@@ -83,9 +94,6 @@ class _DictTable:
                 if self.map.get(k) == b:
                     del self.map[k]
                 hashed[b] = False
-
-
-_RANGE, _OVER, _FREE = 1, 2, 3  # error kinds the native pool calls return with the block (or index) at fault
 
 
 def _pow2(n: int) -> int:
@@ -99,6 +107,7 @@ class KeyedPool(BlockPool):
         capacity = _pow2(2 * num_blocks)  # at least twice the keys it can hold
         self._keys = np.zeros(capacity, dtype=np.int64)
         self._vals = np.full(capacity, -1, dtype=np.int64)  # -1: an empty slot
+        self._hashed_u8 = self._hashed.view(np.uint8)  # the same flags, as the C calls take them
         self._table: Any = _native if native and _native is not None else _DictTable()
         self._pool: Any = self._table if self._table is _native else None  # native refcounts and LRU
         if self._pool is not None:
@@ -106,7 +115,7 @@ class KeyedPool(BlockPool):
             self._free_ring[:num_blocks] = np.arange(num_blocks)
             self._lru_ring = np.zeros(_pow2(2 * num_blocks), dtype=np.int64)
             self._meta = np.array([0, num_blocks, 0, 0, 0], dtype=np.int64)  # free head/tail, lru head/tail/live
-            self._state = (self._keys, self._vals, self._key_of, self._hashed.view(np.uint8), self._refs,
+            self._state = (self._keys, self._vals, self._key_of, self._hashed_u8, self._refs,
                            self._ticket, self._free_ring, self._lru_ring, self._meta)
 
     # -- the native pool (BlockPool's methods where there is none) ----------------------------------------
@@ -201,18 +210,19 @@ class KeyedPool(BlockPool):
     def cache_many(self, block_ids: Sequence[int] | I64, hashes: Sequence[int] | I64) -> npt.NDArray[np.bool_]:
         """Key each block by its hash in order, as ``cache`` one at a time would: False where another block
         already holds that hash (nothing changes for it); a block keyed before loses its old hash."""
-        ids = self._checked(block_ids)
+        ids = _as_ids(block_ids)
         h = as_hashes(hashes)
         if h.size != ids.size:
             raise BlockError(f"{ids.size} block ids but {h.size} hashes; pass one hash per block")
-        idle = ids[self._refs[ids] == 0]
-        if idle.size:
-            raise BlockError(f"block {int(idle[0])} is not referenced; only a block being filled can be cached")
         out = np.empty(ids.size, dtype=np.bool_)
-        self._table.cache(self._keys, self._vals, self._key_of, self._hashed.view(np.uint8),
-                          np.ascontiguousarray(ids), np.ascontiguousarray(h), out.view(np.uint8))
+        kind, at = self._table.cache(self._keys, self._vals, self._key_of, self._hashed_u8, self._refs, ids,
+                                     np.ascontiguousarray(h), out.view(np.uint8))
+        if kind == _RANGE:
+            self._checked(ids)  # raises, naming the id
+        if kind == _FREE:
+            raise BlockError(f"block {at} is not referenced; only a block being filled can be cached")
         return out
 
     def _forget(self, blocks: I64) -> None:
-        self._table.forget(self._keys, self._vals, self._key_of, self._hashed.view(np.uint8),
+        self._table.forget(self._keys, self._vals, self._key_of, self._hashed_u8,
                            np.ascontiguousarray(blocks, dtype=np.int64))
