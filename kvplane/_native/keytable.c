@@ -8,7 +8,8 @@
  * keys come and go. Every call works on a whole request's hashes in one C pass: where Python's dict costs a
  * few cold cache misses per block (hash, entry, key object), a probe here touches one 16-byte slot.
  *
- * get(keys, vals, hashes, out):                         out[i] = the block keyed by hashes[i], or -1
+ * get(keys, vals, hashes, out) -> (hits, first miss):   out[i] = the block keyed by hashes[i], or -1
+ * from_list(hashes, out):                               a list of ints into an int64 array (no numpy pass)
  * cache(keys, vals, key_of, hashed, refs, ids, hashes, out) -> (error kind, at): key block ids[i] by
  *     hashes[i], in order, exactly as one call per block would: a hash another block holds is left alone
  *     (out[i] = whether that block is ids[i]); a block keyed before under another hash loses that key;
@@ -117,15 +118,43 @@ static PyObject *kt_get(PyObject *self, PyObject *args) {
     }
     const int64_t *h = v[2].buf;
     int64_t *out = v[3].buf;
+    Py_ssize_t hits = 0, first_miss = n;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = find(&t, h[i]);
         out[i] = s < 0 ? -1 : t.vals[s];
+        if (s >= 0) hits++;
+        else if (first_miss == n) first_miss = i;
     }
     release(v, got);
-    Py_RETURN_NONE;
+    return Py_BuildValue("(nn)", hits, first_miss);
 fail:
     release(v, got);
     return NULL;
+}
+
+/* from_list(hashes, out): out[i] = hashes[i] for a list of ints; OverflowError names none (the caller does). */
+static PyObject *kt_from_list(PyObject *self, PyObject *args) {
+    PyObject *list, *obj;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &list, &obj)) return NULL;
+    Py_buffer v;
+    if (get_buffer(obj, &v, "out", PyBUF_WRITABLE, 8) != 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (v.len / 8 != n) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "keytable.from_list: out must be as long as the list");
+        return NULL;
+    }
+    int64_t *out = v.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long x = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+        if (x == -1 && PyErr_Occurred()) {
+            PyBuffer_Release(&v);
+            return NULL;
+        }
+        out[i] = (int64_t)x;
+    }
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
 }
 
 static PyObject *kt_cache(PyObject *self, PyObject *args) {
@@ -462,7 +491,8 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"get", kt_get, METH_VARARGS, "get(keys, vals, hashes, out): the block keyed by each hash, -1 where none"},
+    {"get", kt_get, METH_VARARGS, "get(keys, vals, hashes, out) -> (hits, first miss): the block keyed by each hash"},
+    {"from_list", kt_from_list, METH_VARARGS, "from_list(list, out): a list of ints into an int64 array"},
     {"cache", kt_cache, METH_VARARGS, "cache(keys, vals, key_of, hashed, refs, ids, hashes, out) -> (error kind, at)"},
     {"forget", kt_forget, METH_VARARGS, "forget(keys, vals, key_of, hashed, ids): drop the keys of blocks"},
     {"unref", kt_unref, METH_VARARGS, "unref(state..., ids) -> (error kind, block): drop one reference each"},

@@ -102,3 +102,14 @@ def test_many_ref_release_cycles_keep_lru_order_through_ring_compactions(native:
     assert pool.allocate(10) == model.allocate(10)
     assert pool.num_free == model.num_free == 54
     assert pool.blocks_of(list(range(64))).tolist() == model.blocks_of(list(range(64))).tolist()
+
+
+def test_hashes_convert_once_to_int64_whatever_the_container() -> None:
+    hashes = [0, -1, (1 << 63) - 1, -(1 << 63), 12345, np.int64(7), True]
+    want = np.array([int(h) for h in hashes], dtype=np.int64)
+    for given in (hashes, tuple(hashes), want, want.astype(np.int32, casting="unsafe")[:0]):
+        got = keyed_pool.as_hashes(given)
+        assert got.dtype == np.int64 and got.tolist() == want[: len(got)].tolist()
+    for bad in ([1, 1 << 63], [2.5], ["x"]):
+        with pytest.raises(BlockError, match="is not an int64"):
+            keyed_pool.as_hashes(bad)

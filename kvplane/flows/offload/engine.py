@@ -140,9 +140,9 @@ class OffloadEngine:
         groups: dict[int, GroupBlocks] = {}
         for g, (hash_list, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
             hashes = as_hashes(hash_list)  # once: the index and the job's finish read this array
-            found = self.index.blocks_of(g, hashes)
-            held = found >= 0
-            if held.any():
+            found, hits, _ = self.index.find(g, hashes)
+            if hits:
+                held = found >= 0
                 cached = found[held]
                 self.index.ref(g, cached)
                 self.index.release(g, cached)  # touch: most recently used
@@ -292,9 +292,8 @@ class OffloadEngine:
         """Referenced host blocks for the available prefix of ``hashes`` (``keys``: the same as an array),
         fetching store runs into the host."""
         if self.store is None:  # the host prefix only: one pass over the hashes finds and pins it
-            found = self.index.blocks_of(group, keys)
-            missing = np.flatnonzero(found < 0)
-            ids = found[: int(missing[0])] if missing.size else found
+            found, _, prefix = self.index.find(group, keys)
+            ids = found[:prefix]
             self.index.ref(group, ids)
             return ids
         runs = self._runs(group, hashes)

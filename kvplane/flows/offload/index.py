@@ -31,12 +31,15 @@ class HostIndex:
     # -- queries (no side effects) ------------------------------------------------------------------------
     def cached_prefix(self, group: int, hashes: Sequence[int] | Ids) -> int:
         """How many leading ``hashes`` the host tier holds."""
-        missing = np.flatnonzero(self.pools[group].blocks_of(hashes) < 0)
-        return int(missing[0]) if missing.size else len(hashes)
+        return self.pools[group].find(hashes)[2]
 
     def blocks_of(self, group: int, hashes: Sequence[int] | Ids) -> Ids:
         """The host block caching each hash, -1 where none does (no side effects)."""
         return self.pools[group].blocks_of(hashes)
+
+    def find(self, group: int, hashes: Sequence[int] | Ids) -> tuple[Ids, int, int]:
+        """``blocks_of``, with how many were found and the index of the first not found (or the count)."""
+        return self.pools[group].find(hashes)
 
     def block_of(self, group: int, block_hash: int) -> int | None:
         return self.pools[group].lookup(block_hash)

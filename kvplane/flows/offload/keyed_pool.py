@@ -50,11 +50,17 @@ def as_hashes(hashes: Sequence[int] | I64) -> I64:
     if isinstance(hashes, np.ndarray):
         return hashes.astype(np.int64, copy=False).ravel()
     try:
+        if _native is not None and type(hashes) is list:  # one C pass, no numpy conversion machinery
+            out = np.empty(len(hashes), dtype=np.int64)
+            _native.from_list(hashes, out)
+            return out
         return np.array(hashes, dtype=np.int64).reshape(-1)
-    except OverflowError:
-        bad = next(h for h in hashes if not -(1 << 63) <= int(h) < 1 << 63)
+    except (OverflowError, TypeError):
+        bad = next((h for h in hashes if not isinstance(h, int) or not -(1 << 63) <= h < 1 << 63), None)
+        if bad is None:  # an int subclass or numpy integer numpy takes: the general path
+            return np.array(hashes, dtype=np.int64).reshape(-1)
         raise BlockError(
-            f"block hash {bad} does not fit int64; the host index keys prefixes by int64 hashes "
+            f"block hash {bad!r} is not an int64; the host index keys prefixes by int64 hashes "
             f"(kvplane.blocks.block_hashes gives them)"
         ) from None
 
@@ -65,8 +71,10 @@ class _DictTable:
     def __init__(self) -> None:
         self.map: dict[int, int] = {}
 
-    def get(self, keys: Any, vals: Any, hashes: I64, out: I64) -> None:
+    def get(self, keys: Any, vals: Any, hashes: I64, out: I64) -> tuple[int, int]:
         out[:] = np.fromiter(map(self.map.get, hashes.tolist(), [-1] * hashes.size), np.int64, hashes.size)
+        missing = np.flatnonzero(out < 0)
+        return out.size - missing.size, int(missing[0]) if missing.size else out.size
 
     def cache(
         self, keys: Any, vals: Any, key_of: I64, hashed: Any, refs: I64, ids: I64, hashes: I64, out: Any
@@ -198,10 +206,15 @@ class KeyedPool(BlockPool):
         return self._key_of[self._checked(block_ids)]
 
     def blocks_of(self, hashes: Sequence[int] | I64) -> I64:
-        h = as_hashes(hashes)
+        return self.find(hashes)[0]
+
+    def find(self, hashes: Sequence[int] | I64) -> tuple[I64, int, int]:
+        """``blocks_of``, with how many hashes are keyed and the index of the first that is not (or the
+        count): the engine's branches without another pass over the result."""
+        h = np.ascontiguousarray(as_hashes(hashes))
         out = np.empty(h.size, dtype=np.int64)
-        self._table.get(self._keys, self._vals, h, out)
-        return out
+        hits, first_miss = self._table.get(self._keys, self._vals, h, out)
+        return out, hits, first_miss
 
     # -- state changes -------------------------------------------------------------------------------------
     def cache(self, block_id: int, block_hash: int) -> bool:
