@@ -10,6 +10,7 @@
  *
  * get(keys, vals, hashes, out) -> (hits, first miss):   out[i] = the block keyed by hashes[i], or -1
  * from_list(hashes, out):                               a list of ints into an int64 array (no numpy pass)
+ * span(ids) -> (min, max):                              the offload planner's range check, without numpy
  * cache(keys, vals, key_of, hashed, refs, ids, hashes, out) -> (error kind, at): key block ids[i] by
  *     hashes[i], in order, exactly as one call per block would: a hash another block holds is left alone
  *     (out[i] = whether that block is ids[i]); a block keyed before under another hash loses that key;
@@ -155,6 +156,27 @@ static PyObject *kt_from_list(PyObject *self, PyObject *args) {
     }
     PyBuffer_Release(&v);
     Py_RETURN_NONE;
+}
+
+/* span(ids) -> (min, max) of a non-empty int64 array: a range check without numpy's reduction machinery, whose
+ * code costs tens of microseconds to bring back into caches after a pause. */
+static PyObject *kt_span(PyObject *self, PyObject *arg) {
+    Py_buffer v;
+    if (get_buffer(arg, &v, "ids", 0, 8) != 0) return NULL;
+    Py_ssize_t n = v.len / 8;
+    if (n == 0) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "keytable.span: ids is empty");
+        return NULL;
+    }
+    const int64_t *ids = v.buf;
+    int64_t lo = ids[0], hi = ids[0];
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (ids[i] < lo) lo = ids[i];
+        if (ids[i] > hi) hi = ids[i];
+    }
+    PyBuffer_Release(&v);
+    return Py_BuildValue("(LL)", (long long)lo, (long long)hi);
 }
 
 static PyObject *kt_cache(PyObject *self, PyObject *args) {
@@ -492,6 +514,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"get", kt_get, METH_VARARGS, "get(keys, vals, hashes, out) -> (hits, first miss): the block keyed by each hash"},
+    {"span", kt_span, METH_O, "span(ids) -> (min, max) of a non-empty int64 array"},
     {"from_list", kt_from_list, METH_VARARGS, "from_list(list, out): a list of ints into an int64 array"},
     {"cache", kt_cache, METH_VARARGS, "cache(keys, vals, key_of, hashed, refs, ids, hashes, out) -> (error kind, at)"},
     {"forget", kt_forget, METH_VARARGS, "forget(keys, vals, key_of, hashed, ids): drop the keys of blocks"},

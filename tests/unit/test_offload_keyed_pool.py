@@ -113,3 +113,12 @@ def test_hashes_convert_once_to_int64_whatever_the_container() -> None:
     for bad in ([1, 1 << 63], [2.5], ["x"]):
         with pytest.raises(BlockError, match="is not an int64"):
             keyed_pool.as_hashes(bad)
+
+
+def test_span_gives_the_smallest_and_largest_id() -> None:
+    assert keyed_pool._native is not None
+    ids = np.array([5, -3, 9, 0, 9], dtype=np.int64)
+    assert keyed_pool._native.span(ids) == (-3, 9)
+    assert keyed_pool._native.span(ids[:1]) == (5, 5)
+    with pytest.raises(ValueError, match="empty"):
+        keyed_pool._native.span(ids[:0])
