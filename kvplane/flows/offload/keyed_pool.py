@@ -123,6 +123,7 @@ class KeyedPool(BlockPool):
             self._free_ring[:num_blocks] = np.arange(num_blocks)
             self._lru_ring = np.zeros(_pow2(2 * num_blocks), dtype=np.int64)
             self._meta = np.array([0, num_blocks, 0, 0, 0], dtype=np.int64)  # free head/tail, lru head/tail/live
+            self._free, self._hash_of = [], np.zeros(0, dtype=object)  # BlockPool's, unused: memory back
             self._state = (self._keys, self._vals, self._key_of, self._hashed_u8, self._refs,
                            self._ticket, self._free_ring, self._lru_ring, self._meta)
 
