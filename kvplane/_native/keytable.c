@@ -17,6 +17,9 @@
  *     key_of / hashed (int64 / uint8 per block) are kept up to date. (1, i): ids[i] is out of range; (3, b):
  *     block b is not referenced; then nothing changed.
  * forget(keys, vals, key_of, hashed, ids):             drop the keys of blocks ids (each keyed) and unmark them.
+ *
+ * Below the table, the pool around it (``KeyedPool``'s refcounts, free ring and LRU ring, described there):
+ * unref, ref, allocate, oldest and evict, one C pass per call over the request's block ids.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
