@@ -1,5 +1,6 @@
-"""Builds kvplane's native pieces: the batched memcpy the cpu backend executes plans with, and the C loop
-that enqueues plans through an accelerator vendor's async memcpy (with memcpy-backed stand-ins for emulation)."""
+"""Builds kvplane's native pieces: the batched memcpy the cpu backend executes plans with, the C loop
+that enqueues plans through an accelerator vendor's async memcpy (with memcpy-backed stand-ins for emulation),
+and the offload host index's prefix-hash table."""
 
 from setuptools import Extension, setup
 
@@ -10,6 +11,11 @@ setup(
             sources=["kvplane/_native/memcpy.c"],
             extra_compile_args=["-O3", "-std=c11"],
             libraries=["pthread"],
+        ),
+        Extension(
+            "kvplane._native._keytable",
+            sources=["kvplane/_native/keytable.c"],
+            extra_compile_args=["-O2", "-std=c11"],
         ),
         Extension(
             "kvplane._native._async_copy",

@@ -246,19 +246,21 @@ static PyObject *plan_blocks(PyObject *self, PyObject *args) {
     Py_ssize_t count = 0;
     for (Py_ssize_t l = 0; l < layers; l++) {
         obounds[l] = count;
-        int first = 1;
+        int open = 0; /* the descriptor being extended stays in registers until it closes: the outputs may */
+        int64_t ps = 0, pd = 0, pl = 0; /* alias the inputs for the compiler, so reading them back cost a load each */
         for (int64_t r = rows[l]; r < rows[l + 1]; r++) {
+            const int64_t sbr = sb[r], ssr = ss[r], dbr = db[r], dsr = ds[r], blr = bl[r];
             for (Py_ssize_t j = 0; j < n; j++) {
-                int64_t a = sb[r] + sid[j] * ss[r], b = db[r] + did[j] * ds[r];
-                if (!first && osrc[count - 1] + olen[count - 1] == a && odst[count - 1] + olen[count - 1] == b) {
-                    olen[count - 1] += bl[r];
+                int64_t a = sbr + sid[j] * ssr, b = dbr + did[j] * dsr;
+                if (open && ps + pl == a && pd + pl == b) {
+                    pl += blr;
                 } else {
-                    osrc[count] = a; odst[count] = b; olen[count] = bl[r];
-                    count++;
+                    if (open) { osrc[count] = ps; odst[count] = pd; olen[count] = pl; count++; }
+                    ps = a; pd = b; pl = blr; open = 1;
                 }
-                first = 0;
             }
         }
+        if (open) { osrc[count] = ps; odst[count] = pd; olen[count] = pl; count++; }
     }
     obounds[layers] = count;
     result = PyLong_FromSsize_t(count);

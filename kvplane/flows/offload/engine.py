@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
-from itertools import compress
 
 import numpy as np
 
@@ -33,6 +32,7 @@ from kvplane.flows.offload.errors import OffloadError
 from kvplane.flows.offload.host_pool import HostPool
 from kvplane.flows.offload.index import HostIndex
 from kvplane.flows.offload.jobs import GroupBlocks, LoadJob, StoreJob, paired
+from kvplane.flows.offload.keyed_pool import as_hashes
 from kvplane.flows.offload.keys import fingerprint
 from kvplane.flows.offload.spill import StoreLink
 from kvplane.flows.offload.store import StoreTier
@@ -138,17 +138,20 @@ class OffloadEngine:
         self._check_new(request_id)
         before_evict = self.store.before_evict if self.store is not None else None
         groups: dict[int, GroupBlocks] = {}
-        for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
-            found = self.index.blocks_of(g, hashes)
-            held = found >= 0
-            if held.any():
+        for g, (hash_list, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
+            hashes = as_hashes(hash_list)  # once: the index and the job's finish read this array
+            found, hits, _ = self.index.find(g, hashes)
+            if hits:
+                held = found >= 0
                 cached = found[held]
                 self.index.ref(g, cached)
                 self.index.release(g, cached)  # touch: most recently used
-            new = list(compress(hashes, (~held).tolist())) if held.any() else hashes
+                new, device_ids = hashes[~held], device_ids[~held]
+            else:  # nothing cached (a fresh prefix): the arrays as they are
+                new = hashes
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
-                groups[g] = GroupBlocks(device_ids[~held][: len(ids)], ids, new[: len(ids)])
+                groups[g] = GroupBlocks(device_ids[: len(ids)], ids, new[: len(ids)])
         layers = set().union(*(self._group_layer_set[g] for g in groups))
         job = StoreJob(request_id, groups, layers)
         for g, blocks in groups.items():
@@ -236,7 +239,9 @@ class OffloadEngine:
         by_group: dict[int, tuple[CopyPlan, list[int]]] = {}
         for g, layers in self._group_layers.items():
             parts = [j.groups[g] for j in jobs if g in j.groups]
-            if parts:
+            if len(parts) == 1:  # one request (the usual step): its ids as they are
+                by_group[g] = self.copier.load_parts(layers, parts[0].host_ids, parts[0].device_ids)
+            elif parts:
                 host_ids = np.concatenate([p.host_ids for p in parts])
                 device_ids = np.concatenate([p.device_ids for p in parts])
                 by_group[g] = self.copier.load_parts(layers, host_ids, device_ids)
@@ -271,10 +276,11 @@ class OffloadEngine:
         job = LoadJob(request_id, {})
         tokens: list[int] = []
         for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
-            host_ids = self._gather(g, hashes)
+            keys = as_hashes(hashes)  # once: the host index reads this array
+            host_ids = self._gather(g, hashes, keys)
             m = len(host_ids)
             if m:
-                job.groups[g] = GroupBlocks(device_ids[:m], host_ids, hashes[:m])
+                job.groups[g] = GroupBlocks(device_ids[:m], host_ids, keys[:m])
             if m < len(hashes):
                 job.error_block_ids[g] = device_ids[m:].tolist()
                 self._load_errors.update(job.error_block_ids[g])
@@ -282,12 +288,12 @@ class OffloadEngine:
         job.tokens = min(tokens) if tokens else 0
         return job
 
-    def _gather(self, group: int, hashes: list[int]) -> Ids:
-        """Referenced host blocks for the available prefix of ``hashes``, fetching store runs into the host."""
+    def _gather(self, group: int, hashes: list[int], keys: Ids) -> Ids:
+        """Referenced host blocks for the available prefix of ``hashes`` (``keys``: the same as an array),
+        fetching store runs into the host."""
         if self.store is None:  # the host prefix only: one pass over the hashes finds and pins it
-            found = self.index.blocks_of(group, hashes)
-            missing = np.flatnonzero(found < 0)
-            ids = found[: int(missing[0])] if missing.size else found
+            found, _, prefix = self.index.find(group, keys)
+            ids = found[:prefix]
             self.index.ref(group, ids)
             return ids
         runs = self._runs(group, hashes)
@@ -370,7 +376,7 @@ class OffloadEngine:
                 continue
             keyed = self.index.cache(g, blocks.host_ids, blocks.hashes)
             if self.store is not None and self.store.write_through and keyed.any():
-                self.store.write(g, blocks.host_ids[keyed], [h for h, k in zip(blocks.hashes, keyed) if k])
+                self.store.write(g, blocks.host_ids[keyed], blocks.hashes[keyed].tolist())
                 self.index.release(g, blocks.host_ids[~keyed])
             else:
                 self.index.release(g, blocks.host_ids)

@@ -5,7 +5,9 @@ A host block is free, referenced (being stored, loaded, or written to the store:
 out at most what is free or evictable, never raising for a full pool: a cache stores what fits. Before it
 evicts, it shows the victims to ``before_evict`` (the store tier writes them back, and may pin some while
 that write is in flight). Pure bookkeeping: no memory, no device; every call is array work over the request's
-blocks (``BlockPool``), with no Python statement per block.
+blocks (``KeyedPool``: ``BlockPool`` with its prefix keys in an int64 table), with no Python statement per
+block. Hashes may come as a list or an int64 array; the engine converts a request's list once and passes the
+array on.
 """
 
 from __future__ import annotations
@@ -16,25 +18,28 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.blocks.groups import Ids
-from kvplane.blocks.pool import BlockPool
 from kvplane.errors import BlockError
+from kvplane.flows.offload.keyed_pool import KeyedPool
 
 EvictHook = Callable[[int, list[int], list[int]], None]  # (group, victim block ids, their prefix hashes)
 
 
 class HostIndex:
     def __init__(self, groups: Iterable[int], num_blocks: int) -> None:
-        self.pools: dict[int, BlockPool] = {g: BlockPool(num_blocks) for g in groups}
+        self.pools: dict[int, KeyedPool] = {g: KeyedPool(num_blocks) for g in groups}
 
     # -- queries (no side effects) ------------------------------------------------------------------------
-    def cached_prefix(self, group: int, hashes: Sequence[int]) -> int:
+    def cached_prefix(self, group: int, hashes: Sequence[int] | Ids) -> int:
         """How many leading ``hashes`` the host tier holds."""
-        missing = np.flatnonzero(self.pools[group].blocks_of(hashes) < 0)
-        return int(missing[0]) if missing.size else len(hashes)
+        return self.pools[group].find(hashes)[2]
 
-    def blocks_of(self, group: int, hashes: Sequence[int]) -> Ids:
+    def blocks_of(self, group: int, hashes: Sequence[int] | Ids) -> Ids:
         """The host block caching each hash, -1 where none does (no side effects)."""
         return self.pools[group].blocks_of(hashes)
+
+    def find(self, group: int, hashes: Sequence[int] | Ids) -> tuple[Ids, int, int]:
+        """``blocks_of``, with how many were found and the index of the first not found (or the count)."""
+        return self.pools[group].find(hashes)
 
     def block_of(self, group: int, block_hash: int) -> int | None:
         return self.pools[group].lookup(block_hash)
@@ -43,7 +48,7 @@ class HostIndex:
         return sum(p.num_referenced for p in self.pools.values())
 
     # -- state changes ------------------------------------------------------------------------------------
-    def pin(self, group: int, hashes: Sequence[int]) -> Ids:
+    def pin(self, group: int, hashes: Sequence[int] | Ids) -> Ids:
         """Reference the cached blocks of ``hashes`` (all must be cached): they cannot be evicted until released."""
         pool = self.pools[group]
         ids = pool.blocks_of(hashes)
@@ -64,9 +69,9 @@ class HostIndex:
     def ref(self, group: int, ids: Ids) -> None:
         self.pools[group].ref(ids)
 
-    def cache(self, group: int, ids: Ids, hashes: Sequence[int]) -> npt.NDArray[np.bool_]:
+    def cache(self, group: int, ids: Ids, hashes: Sequence[int] | Ids) -> npt.NDArray[np.bool_]:
         """Key filled blocks by their hashes; False where another block already holds that prefix."""
-        return self.pools[group].cache_many(ids, hashes if isinstance(hashes, list) else [int(h) for h in hashes])
+        return self.pools[group].cache_many(ids, hashes)
 
     def release(self, group: int, ids: Ids) -> None:
         """Drop one reference each: keyed blocks become evictable, unkeyed ones free."""
