@@ -150,7 +150,15 @@ static PyObject *kt_from_list(PyObject *self, PyObject *args) {
     }
     int64_t *out = v.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long x = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+        if (i >= PyList_GET_SIZE(list)) { /* an item's __index__ shrank the list: its items are gone */
+            PyBuffer_Release(&v);
+            PyErr_SetString(PyExc_RuntimeError, "keytable.from_list: the list changed size while it was read");
+            return NULL;
+        }
+        PyObject *item = PyList_GET_ITEM(list, i);
+        Py_INCREF(item); /* __index__ may drop the list's reference to it */
+        long long x = PyLong_AsLongLong(item);
+        Py_DECREF(item);
         if (x == -1 && PyErr_Occurred()) {
             PyBuffer_Release(&v);
             return NULL;
