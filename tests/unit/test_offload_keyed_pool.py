@@ -122,3 +122,22 @@ def test_span_gives_the_smallest_and_largest_id() -> None:
     assert keyed_pool._native.span(ids[:1]) == (5, 5)
     with pytest.raises(ValueError, match="empty"):
         keyed_pool._native.span(ids[:0])
+
+
+@pytest.mark.parametrize("native", TABLES)
+@pytest.mark.parametrize("container", [list, tuple, np.array], ids=["list", "tuple", "array"])
+def test_a_hash_that_is_not_an_integer_is_refused_in_any_container(
+    native: bool, container: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float or a string is not a prefix hash: numpy's cast would make 2.5 the key 2 (another prefix's) and
+    "7" the key 7, so every container, with or without the extension, refuses it as a list does natively."""
+    if not native:
+        monkeypatch.setattr(keyed_pool, "_native", None)
+    for bad in ([1, 2.5], ["7"], [1, float(1 << 62)]):
+        with pytest.raises(BlockError, match="is not an int64"):
+            keyed_pool.as_hashes(container(bad))  # type: ignore[operator]
+    huge = np.array([1, 1 << 63], dtype=np.uint64)
+    with pytest.raises(BlockError, match="is not an int64"):
+        keyed_pool.as_hashes(huge if container is np.array else container(huge.tolist()))  # type: ignore[operator]
+    assert keyed_pool.as_hashes(container([3, -4])).tolist() == [3, -4]  # type: ignore[operator]
+    assert keyed_pool.as_hashes(container([])).tolist() == []  # type: ignore[operator]
