@@ -45,20 +45,31 @@ def _as_ids(block_ids: Iterable[int]) -> I64:
     return np.ascontiguousarray(ids, dtype=np.int64).ravel()
 
 
+def _integers(arr: npt.NDArray[Any]) -> bool:
+    """Whether ``arr`` holds integers int64 can hold (numpy's cast would truncate floats and parse strings)."""
+    if arr.dtype.kind == "u" and arr.size:
+        return int(arr.max()) < 1 << 63
+    return arr.dtype.kind in "biu" or arr.size == 0
+
+
 def as_hashes(hashes: Sequence[int] | I64) -> I64:
     """Hashes as an int64 array (a list is converted once; an array of another integer type is cast)."""
-    if isinstance(hashes, np.ndarray):
+    if isinstance(hashes, np.ndarray) and _integers(hashes):
         return hashes.astype(np.int64, copy=False).ravel()
     try:
         if _native is not None and type(hashes) is list:  # one C pass, no numpy conversion machinery
             out = np.empty(len(hashes), dtype=np.int64)
             _native.from_list(hashes, out)
             return out
-        return np.array(hashes, dtype=np.int64).reshape(-1)
+        arr = np.asarray(hashes)
+        if not _integers(arr):
+            raise TypeError
+        return arr.astype(np.int64).reshape(-1)
     except (OverflowError, TypeError):
-        bad = next((h for h in hashes if not isinstance(h, int) or not -(1 << 63) <= h < 1 << 63), None)
-        if bad is None:  # an int subclass or numpy integer numpy takes: the general path
-            return np.array(hashes, dtype=np.int64).reshape(-1)
+        bad = next((h for h in np.asarray(hashes, dtype=object).ravel().tolist()
+                    if not isinstance(h, (int, np.integer)) or not -(1 << 63) <= int(h) < 1 << 63), None)
+        if bad is None:  # numpy integers of mixed types (numpy makes them float): each is an int64
+            return np.array([int(h) for h in hashes], dtype=np.int64).reshape(-1)
         raise BlockError(
             f"block hash {bad!r} is not an int64; the host index keys prefixes by int64 hashes "
             f"(kvplane.blocks.block_hashes gives them)"
