@@ -32,8 +32,8 @@ TITLES = {
     "offload": "offload: host tier store/load (GB/s)",
     "pd": "P/D: prefill done -> KV ready, or transport only (GB/s)",
     "store": "Mooncake Store tier (GB/s)",
-    "timed": "kvplane's own time (ms): offload with copies stubbed (hatched: the copy it manages), plans (hatched: "
-             "bare numpy arithmetic), get_finished p99 during a transfer (hatched: idle)",
+    "timed": "kvplane's own time (ms): offload with copies stubbed (hatched: the copy it manages),\n"
+             "plans (hatched: bare numpy arithmetic), get_finished p99 during a transfer (hatched: idle)",
     "sweep": "block copy plans by block size (GB/s)",
 }
 
