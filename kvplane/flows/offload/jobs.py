@@ -12,8 +12,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvplane.backend.base import Event
 from kvplane.blocks.groups import Ids, PerGroup, per_group
 from kvplane.descriptors import CopyPlan
@@ -65,11 +63,7 @@ def paired(
         hs = {group_ids[0]: hashes}
     else:
         hs = {g: v.tolist() for g, v in per_group("block_hashes", hashes, group_ids, OffloadError).items()}
-    ds: dict[int, Ids]
-    if type(device_ids) is np.ndarray and device_ids.dtype == np.int64 and device_ids.ndim == 1 and len(group_ids) == 1:
-        ds = {group_ids[0]: device_ids}  # already what per_group would make of it
-    else:
-        ds = per_group("device_block_ids", device_ids, group_ids, OffloadError)
+    ds = per_group("device_block_ids", device_ids, group_ids, OffloadError)
     if set(hs) != set(ds):
         raise OffloadError(
             f"request {request_id!r}: block_hashes has groups {sorted(hs)}, device_block_ids {sorted(ds)}; "
