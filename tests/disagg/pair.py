@@ -87,3 +87,24 @@ def push_params(prefill_port: int, request_id: str, engine_id: str, tp: int = 1)
     ``token=token_for(request_id)``."""
     return TransferParams.for_push(engine_id, request_id, "127.0.0.1", prefill_port, tp_size=tp,
                                    token=token_for(request_id))
+
+
+def watched_local_kv() -> tuple[type, list[Any]]:
+    """A ``LocalKV`` subclass (the real one and its transport) that counts its closes, and the list it appends
+    each one built to: for the tests that a side failing at start gives back what it built."""
+    from kvplane.flows.disagg.local import LocalKV
+
+    built: list[Any] = []
+
+    class Watched(LocalKV):
+        closes = 0
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+        def close(self) -> None:
+            self.closes += 1
+            super().close()
+
+    return Watched, built

@@ -7,30 +7,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pair import cpu, small_spec
+from pair import cpu, small_spec, watched_local_kv
 
 from kvplane.flows.disagg import DecodeSide, DisaggConfig
 from kvplane.flows.disagg import decode as decode_module
 from kvplane.flows.disagg.errors import DisaggConfigError
-from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.kv.binding import allocate_cache
 
 
 def test_a_decode_side_refusing_its_curve_keys_closes_its_local_kv_and_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    built: list[Any] = []
+    Watched, built = watched_local_kv()
     loops: list[Any] = []
-
-    class Watched(LocalKV):  # the real LocalKV and transport, counting its closes
-        closes = 0
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            built.append(self)
-
-        def close(self) -> None:
-            self.closes += 1
-            super().close()
 
     real_loop = IOLoop
 

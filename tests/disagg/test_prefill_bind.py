@@ -3,31 +3,17 @@ local KV (its registered memory and transport engine) and the I/O loop's ZMQ con
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import zmq
-from pair import cpu, small_spec
+from pair import cpu, small_spec, watched_local_kv
 
 from kvplane.flows.disagg import DisaggConfig, PrefillSide
 from kvplane.flows.disagg import prefill as prefill_module
-from kvplane.flows.disagg.local import LocalKV
 from kvplane.kv.binding import allocate_cache
 
 
 def test_a_prefill_side_whose_port_is_taken_closes_its_local_kv(monkeypatch: pytest.MonkeyPatch) -> None:
-    built: list[Any] = []
-
-    class Watched(LocalKV):  # the real LocalKV and transport, counting its closes
-        closes = 0
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            built.append(self)
-
-        def close(self) -> None:
-            self.closes += 1
-            super().close()
+    Watched, built = watched_local_kv()
 
     monkeypatch.setattr(prefill_module, "LocalKV", Watched)
     context = zmq.Context()
