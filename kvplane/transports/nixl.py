@@ -210,7 +210,8 @@ class NixlTransport(Transport):
             prepared = self._prep.plan(agent, peer, local_remote(op, plan), plan.length,
                                        (self._spans, self._peer_spans[peer]), memory)
             transfer = NixlTransfer(agent, self.lock, memory, self.config, job, prepared, self._prep.stats)
-            self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
+            # kept while unfinished, or unsettled (its handle is freed at the reset that fences it, under the lock)
+            self._transfers = [t for t in self._transfers if not t.finished or not t.settled] + [transfer]
             transfer.start()
         return transfer
 

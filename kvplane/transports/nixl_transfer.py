@@ -10,6 +10,10 @@ retry can fix (an address NIXL finds in no registration, a peer that disconnecte
 A request still in flight at the deadline is not released: UCX keeps what it queued (over TCP, a link that
 comes back resumes it), and releasing the handle does not stop it. The transfer fails unsettled (``settled``
 is False) and keeps its handle until the transport resets the agent (``abandon``), the fence that ends it.
+
+NIXL's handles free themselves when collected, on whatever thread that happens. So every handle and prepared
+list a transfer holds is let go under the agent lock: when it ends, when it is cancelled, or (unsettled, and
+then kept by the transport) when the agent is reset.
 """
 
 from __future__ import annotations
@@ -114,6 +118,8 @@ class NixlTransfer(ChunkedTransfer):
             if not self._done and self._error is None:
                 self._unsettled = self._handle is not None
                 self._error = TransferTimeout(self._where("was abandoned (timed out or the transport closed)"))
+            if not self._unsettled:  # freed here, under the lock, not by whichever thread collects the transfer
+                self._prepared = None
 
     def abandon(self) -> None:
         """The transport drops the agent (reset or close): the request in flight dies with it. The transfer lets
