@@ -2,7 +2,9 @@
 
 Flows create it through the transport registry; a peer reaches this rank by ``PeerInfo.name`` =
 ``"host:rpc_port"``. Mooncake's ``initialize`` installs RDMA wherever its topology discovery finds RDMA NICs,
-whatever protocol it is given, so ``tcp`` is asked for with ``MC_FORCE_TCP=1`` around it.
+whatever protocol it is given, so ``tcp`` is asked for with ``MC_FORCE_TCP=1`` around it. kvplane's engine
+starts take turns around such variables, so one start never sees another's (the store client's own engine,
+started by Mooncake Store's ``setup``, is outside this).
 
 Mooncake's Python binding has no non-blocking batch status (``get_batch_transfer_status`` blocks until the batch
 ends or Mooncake's own timeout), so each submitted plan runs on a worker thread: chunks of at most ``max_batch``
@@ -52,17 +54,22 @@ FORCE_TCP_ENV = "MC_FORCE_TCP"  # Mooncake installs TCP only when set, whatever 
 logger = logging.getLogger("kvplane.transports")
 
 
+_ENV_LOCK = threading.RLock()  # engine starts take turns: each sees only its own variables (or the user's)
+
+
 @contextmanager
 def _env_default(name: str, value: str | None) -> Iterator[None]:
-    """``$name`` set to ``value`` for the block unless the user set it (or value is None); removed after."""
-    own = value is not None and name not in os.environ
-    if own:
-        os.environ[name] = str(value)
-    try:
-        yield
-    finally:
+    """``$name`` set to ``value`` for the block unless the user set it (or value is None); removed after. The
+    block holds ``_ENV_LOCK``: another kvplane engine starting on another thread meanwhile waits for it."""
+    with _ENV_LOCK:
+        own = value is not None and name not in os.environ
         if own:
-            os.environ.pop(name, None)
+            os.environ[name] = str(value)
+        try:
+            yield
+        finally:
+            if own:
+                os.environ.pop(name, None)
 
 
 def _import_engine() -> Any:
