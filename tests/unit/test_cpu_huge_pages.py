@@ -45,19 +45,44 @@ def test_a_big_buffer_is_advised_huge_pages_over_its_aligned_inside(alloc: str) 
 
 
 @needs_thp
-def test_advise_returns_the_aligned_range_it_marked() -> None:
-    import torch
-
-    buf = torch.empty((16 << 20) + 12345, dtype=torch.uint8)
-    got = huge_pages.advise(buf, 8 << 20)
-    assert got is not None
-    start, length = got
-    assert start % huge_pages.HUGE_PAGE == 0 and length % huge_pages.HUGE_PAGE == 0
-    assert buf.data_ptr() <= start and start + length <= buf.data_ptr() + buf.numel()
+def test_a_big_buffer_starts_on_a_huge_page_and_is_advised_whole() -> None:
+    buf = huge_pages.alloc((16 << 20) + 12345, 8 << 20)
+    assert buf is not None and buf.numel() == (16 << 20) + 12345
+    assert buf.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert "hg" in _vm_flags(buf.data_ptr()) and "hg" in _vm_flags(buf.data_ptr() + buf.numel() - 1)
 
 
-def test_a_small_buffer_is_left_alone() -> None:
-    import torch
+def test_a_small_buffer_is_left_to_the_caller() -> None:
+    assert huge_pages.alloc(1 << 20, 8 << 20) is None
+    assert huge_pages.alloc(16 << 20, 32 << 20) is None
+    assert CpuBackend().alloc_host(1 << 20).numel() == 1 << 20
 
-    assert huge_pages.advise(torch.empty(1 << 20, dtype=torch.uint8), 8 << 20) is None
-    assert huge_pages.advise(torch.empty(16 << 20, dtype=torch.uint8), 32 << 20) is None
+FREED = """
+import sys, torch
+from kvplane.backend.cpu.backend import CpuBackend
+sys.path.insert(0, {here!r})
+from test_cpu_huge_pages import _vm_flags
+big = torch.empty(24 << 20, dtype=torch.uint8)
+del big  # glibc now serves allocations under 24 MiB from its heap (its mmap threshold follows frees)
+buf = getattr(CpuBackend(), {alloc!r})(16 << 20)
+addr = buf.data_ptr() + (4 << 20)
+assert "hg" in _vm_flags(addr)
+del buf
+try:
+    print(" ".join(_vm_flags(addr)))
+except AssertionError:  # unmapped with the buffer
+    print("unmapped")
+"""
+
+
+@needs_thp
+@pytest.mark.parametrize("alloc", ["alloc_host", "alloc_device"])
+def test_the_advice_goes_with_the_buffer_and_never_stays_on_memory_the_process_reuses(alloc: str) -> None:
+    """A freed buffer's pages must not stay advised: malloc would hand them to small allocations as 2 MiB pages."""
+    import os
+    import subprocess
+    import sys
+
+    code = FREED.format(here=os.path.dirname(__file__), alloc=alloc)  # a fresh process: glibc's heap as it starts
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "hg" not in out, f"freed memory still advised huge pages: VmFlags {out}"

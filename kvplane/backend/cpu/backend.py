@@ -59,14 +59,12 @@ class CpuBackend(Backend):
     def _alloc_host(self, nbytes: int, pinned: bool) -> torch.Tensor:
         import torch
 
-        buf = torch.empty(nbytes, dtype=torch.uint8)  # nothing to pin without a device
-        huge_pages.advise(buf, self.huge_pages_min_bytes)
-        return buf
+        big = huge_pages.alloc(nbytes, self.huge_pages_min_bytes)
+        return big if big is not None else torch.empty(nbytes, dtype=torch.uint8)  # nothing to pin without a device
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
-        buf = super().alloc_device(nbytes)
-        huge_pages.advise(buf, self.huge_pages_min_bytes)
-        return buf
+        big = huge_pages.alloc(nbytes, self.huge_pages_min_bytes)
+        return big if big is not None else super().alloc_device(nbytes)
 
     def _copy(self, plan: CopyPlan, begin: int = 0, end: int = -1) -> None:
         copy_plan(plan, self.copy_threads, begin, end)  # every copy is a host memcpy here, whatever direction
