@@ -108,3 +108,9 @@ def watched_local_kv() -> tuple[type, list[Any]]:
             super().close()
 
     return Watched, built
+
+
+def ready_prefill_ranks(decode: Engine) -> int:
+    """How many prefill ranks ``decode``'s side has a ready connection to (handshaken, transport connected); read
+    from the loop's records, for waiting until a handshake is done before acting on the request."""
+    return sum(1 for conn in list(decode.side._conns.values()) if conn.state == "ready")
