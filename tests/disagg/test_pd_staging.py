@@ -133,3 +133,26 @@ def test_an_abort_during_a_chunked_pull_stops_it_and_gives_the_staging_range_bac
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_chunk_whose_relayout_executor_closed_fails_the_pull_instead_of_hanging(engine: str) -> None:
+    """While a side closes, its re-layout executor may close before the last READ of a chunk calls back (the
+    loop's stop gives up after its timeout). Such a chunk must end: the request fails, naming why, its staging
+    range goes back and the prefill is told. On main at cbeed0c ``post`` raised on the loop, the chunk stayed
+    busy and the request never ended (a pull past its deadline drains until its READs end)."""
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=9, engine=engine)
+    decode = make("decode", spec, "mla_split", engine=engine, staging_bytes=3 * source_block_bytes(16),
+                  transfer_timeout_s=3.0, handshake_timeout_s=3.0)
+    try:
+        decode.side._starter.relayouts.close()  # as DecodeSide.close does, with the loop still running
+        p_ids = prefill.allocate(TOKENS)
+        decode.side.start_pull("r", prefill.side.request_finished("r", p_ids, TOKENS), decode.allocate(TOKENS))
+        done = decode.wait("r", 20.0)
+        assert done.state == "failed" and "re-layout" in done.reason, done.reason
+        assert decode.side.local.arena.in_use == 0
+        assert prefill.wait("r").state == "failed"  # told by ReadDone(ok=False), not left to its lease
+    finally:
+        decode.close()
+        prefill.close()
