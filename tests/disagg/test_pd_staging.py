@@ -9,12 +9,16 @@ control), so a push larger than the buffer is refused the same way.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from kvref import canonical
 from pair import Engine, make, push_params, token_for
 
+from kvplane.flows.disagg import staged_pull
 from kvplane.kv.spec import KVSpec
 
 ENGINES = ("mooncake", "nixl")
@@ -153,6 +157,43 @@ def test_a_chunk_whose_relayout_executor_closed_fails_the_pull_instead_of_hangin
         assert done.state == "failed" and "re-layout" in done.reason, done.reason
         assert decode.side.local.arena.in_use == 0
         assert prefill.wait("r").state == "failed"  # told by ReadDone(ok=False), not left to its lease
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_failed_relayout_fails_its_request_only_and_keeps_the_prefill_connection(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A re-layout that fails is this rank's own fault (here: the first one raises), not the prefill's: the
+    request fails, naming it, and the prefill is told; the next request reuses the connection as it is. On main
+    at cbeed0c the failure marked the connection stale, as a failed READ does (the prefill's engine may have
+    been reset), and the next request handshook again for nothing."""
+    real, calls = staged_pull.apply_relayout, []
+
+    def relayout_failing_once(*args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("planted re-layout failure")
+        real(*args)
+
+    monkeypatch.setattr(staged_pull, "apply_relayout", relayout_failing_once)
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=7)
+    decode = make("decode", spec, "mla_split", staging_bytes=3 * source_block_bytes(16))
+    try:
+        p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+        decode.side.start_pull("bad", prefill.side.request_finished("bad", p_ids, TOKENS), d_ids)
+        done = decode.wait("bad")
+        assert done.state == "failed" and "planted re-layout failure" in done.reason, done.reason
+        assert prefill.wait("bad").state == "failed"
+        with caplog.at_level(logging.WARNING, logger="kvplane.disagg"):
+            p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+            decode.side.start_pull("next", prefill.side.request_finished("next", p_ids, TOKENS), d_ids)
+            assert decode.wait("next").state == "done"
+        assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
+        again = [r.getMessage() for r in caplog.records if "handshaking again" in r.getMessage()]
+        assert again == [], again
     finally:
         decode.close()
         prefill.close()

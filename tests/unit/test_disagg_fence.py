@@ -13,6 +13,7 @@ from kvplane.flows.disagg.decode_actions import (
     Action,
     Fence,
     GiveStaging,
+    MarkStale,
     Note,
     Relayout,
     Report,
@@ -94,6 +95,15 @@ def test_a_handshake_that_failed_reports_at_once_with_nothing_sent() -> None:
     m = DecodeRequest(Ident("r", "pull", "p-r", "prefill", "boot", "tok", 2, "decode", 0, 1, 2.0), 10.0)
     out = m.connections({0: RankView("ready", "h:0", "", "prefill", "boot"), 1: RankView("failed", "h:1", "no")})
     assert out == [GiveStaging(), Report("failed", "handshake with prefill rank 1 at h:1 failed: no")]
+
+
+def test_a_local_failure_fails_the_request_without_suspecting_the_prefill_rank() -> None:
+    """A staged chunk's re-layout failed on this rank: no ``MarkStale`` (a new handshake), unlike a failed READ."""
+    m = _machine("pull")
+    out = m.transfer_ended(0, "re-layout of staged blocks failed: boom", local=True)
+    assert not any(isinstance(a, MarkStale) for a in out)
+    out = m.transfer_ended(1, "connection reset")
+    assert out[0] == MarkStale(1) and out[-1] == Report("failed", "re-layout of staged blocks failed: boom")
 
 
 def _push_connecting() -> DecodeRequest:

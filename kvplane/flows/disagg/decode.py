@@ -60,7 +60,7 @@ from kvplane.flows.disagg.decode_actions import (
 )
 from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase, RankView
 from kvplane.flows.disagg.decode_start import Starter
-from kvplane.flows.disagg.errors import DisaggError
+from kvplane.flows.disagg.errors import DisaggError, RelayoutError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
@@ -286,7 +286,8 @@ class DecodeSide(SideLifecycle):
     def _moved(self, want: Want, rank: int, error: KvplaneError | None) -> None:
         """A READ's callback from the transfer thread, on the loop."""
         self._run(want, want.machine.transfer_ended(rank, "" if error is None else str(error),
-                                                    isinstance(error, TransferTimeout)))
+                                                    isinstance(error, TransferTimeout),
+                                                    local=isinstance(error, RelayoutError)))
 
     def _on_abort(self, request_id: str) -> None:
         want = self._wants.get(request_id)

@@ -149,13 +149,18 @@ class DecodeRequest:
         self._decide("failed", f"cannot plan the transfer: {reason}")
         return self._give_up() + self._finish()
 
-    def transfer_ended(self, rank: int, error: str = "", timed_out: bool = False) -> list[Action]:
-        """This rank's READ from prefill rank ``rank`` ended in the engine (``error`` empty: every byte landed)."""
+    def transfer_ended(self, rank: int, error: str = "", timed_out: bool = False, local: bool = False
+                       ) -> list[Action]:
+        """This rank's READ from prefill rank ``rank`` ended in the engine (``error`` empty: every byte landed).
+        ``local``: the error is this rank's own (a staged chunk's re-layout), so the prefill rank's connection
+        is kept as it is; a READ that failed may mean its engine was reset, so it is handshaken again."""
         if not self._writer_ended(rank):
             return [Note(WARNING, f"a READ of request {self.ident.request_id} from prefill rank {rank} ended after "
                                   f"the request was reported; dropped")]
         out: list[Action] = []
-        if error:
+        if error and local:
+            self._decide("failed", error)
+        elif error:
             out.append(MarkStale(rank))
             self._decide("timed_out" if timed_out else "failed", f"READ from prefill rank {rank} failed: {error}")
         return out + (self._finish() if not self.pending else [])
