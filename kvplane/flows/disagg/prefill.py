@@ -108,7 +108,7 @@ class PrefillSide(SideLifecycle):
         self._next_lease_check = 0.0
         self._out = Published()
         self._engine_tokens: dict[str, str] = {}  # engine thread: handed over, not yet reported
-        with ExitStack() as undo:  # a port in use, bad keys: give back what was built so far, then raise
+        with ExitStack() as undo:  # a port in use, bad keys, a part that fails: give back what was built, raise
             undo.callback(self.local.close)
             self._loop = IOLoop(f"kvplane-prefill-{config.rank}", self._tick, self._publish)
             undo.callback(self._loop.context.destroy, linger=0)  # never started: close its sockets, end it
@@ -116,14 +116,15 @@ class PrefillSide(SideLifecycle):
             undo.callback(self._guard.stop)
             self._socket, self.port = channel.router(self._loop.context, config.listen_host, config.rank_port(),
                                                      config.max_message_bytes, self._guard.server)
+            self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
+                                config.max_inflight, self._loop.submit, flow=config.mode)
+            undo.callback(self._mover.stop)
+            self._pusher = Pusher(self.local, self._mover)
+            prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
+            self._admission = Admission(self.local, prober, self._reply, self._forget_peer, self._warnings)
+            self._loop.watch(self._socket, self._on_readable)
+            self._loop.start()  # last: nothing after it can fail, so a started loop is never undone
             undo.pop_all()
-        self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
-                            config.max_inflight, self._loop.submit, flow=config.mode)
-        self._pusher = Pusher(self.local, self._mover)
-        prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
-        self._admission = Admission(self.local, prober, self._reply, self._forget_peer, self._warnings)
-        self._loop.watch(self._socket, self._on_readable)
-        self._loop.start()
         watch_side(self, "prefill")
 
     @property
