@@ -10,6 +10,7 @@ control), so a push larger than the buffer is refused the same way.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from kvref import canonical
 from pair import Engine, make, push_params, token_for
 
-from kvplane.flows.disagg import staged_pull
+from kvplane.flows.disagg import decode_start, staged_pull
 from kvplane.kv.spec import KVSpec
 
 ENGINES = ("mooncake", "nixl")
@@ -194,6 +195,46 @@ def test_a_failed_relayout_fails_its_request_only_and_keeps_the_prefill_connecti
         assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
         again = [r.getMessage() for r in caplog.records if "handshaking again" in r.getMessage()]
         assert again == [], again
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_pull_waiting_for_staging_room_is_planned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the staging buffer is full, a staged pull retries its start on every tick of the loop (20 ms): it
+    must reuse the plan it made, not plan again each time (on main at cbeed0c every retry called the planner
+    again, for every layer of every prefill rank). Once room is free, the same plan lands every byte."""
+    real, plans = decode_start.route_plan, []
+
+    def counted(*args: Any) -> Any:
+        plans.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(decode_start, "route_plan", counted)
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=7)
+    decode = make("decode", spec, "mla_split", staging_bytes=3 * source_block_bytes(16))
+    side, starter = decode.side, decode.side._starter
+    starts, real_start = [], starter.start
+
+    def start(want: Any) -> Any:
+        starts.append(len(plans))  # the planner calls made before this start
+        return real_start(want)
+
+    monkeypatch.setattr(starter, "start", start)
+    try:
+        arena = side.local.arena
+        held = side._loop.submit(lambda: arena.take(arena.size)).result(10)  # another request holds it all
+        p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+        side.start_pull("r", prefill.side.request_finished("r", p_ids, TOKENS), d_ids)
+        end = time.monotonic() + 20
+        while len(starts) < 6:  # the first start and five retries (hang guard only)
+            assert time.monotonic() < end, f"only {len(starts)} starts"
+            time.sleep(0.01)
+        assert starts[1] > 0 and starts[-1] == starts[1], f"planner calls before each start: {starts}"
+        side._loop.submit(lambda: arena.give(held)).result(10)
+        assert decode.wait("r").state == "done"
+        assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
     finally:
         decode.close()
         prefill.close()

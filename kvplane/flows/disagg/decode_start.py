@@ -20,7 +20,7 @@ from kvplane.blocks.groups import Ids
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import PushRegister
-from kvplane.flows.disagg.records import Conn, Want
+from kvplane.flows.disagg.records import Conn, PullPlan, Want
 from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
 from kvplane.flows.disagg.staged_pull import StagedPull
 from kvplane.flows.disagg.staging import ALIGN
@@ -98,7 +98,30 @@ class Starter:
 
     def _plan_pull(self, want: Want, sources: dict[int, list[str]]) -> tuple[Direct, list[Chunk], int, int] | None:
         """Per prefill rank the plan of its layers that land directly, the chunks staging the rest, and the
-        range taken for them (offset, slot count); None when the arena has no room for now."""
+        range taken for them (offset, slot count); None when the arena has no room for now. A request waiting
+        for room retries on every tick: it plans once and reuses the plan while its connections' peer records
+        (the manifests it was planned against) stay the same."""
+        records = tuple(conn.record for conn in want.conns)
+        if want.planned is None or not want.planned.made_from(records):
+            direct, chunks, slots = self._plan_chunks(want, sources)
+            want.planned = PullPlan(tuple(r for r in records if r is not None), direct, chunks, slots)
+        planned = want.planned
+        direct, chunks, slots = planned.direct, planned.chunks, planned.slots
+        if not chunks:
+            want.planned = None
+            return direct, [], -1, 0
+        slot_bytes = max(c.nbytes for c in chunks)
+        offset = self.side.local.arena.take(_stride(slot_bytes) * (slots - 1) + slot_bytes)
+        if offset is None and slots > 1:  # other requests hold part of the buffer: one chunk at a time
+            slots, offset = 1, self.side.local.arena.take(slot_bytes)
+        if offset is None:
+            return None
+        want.planned = None
+        return direct, chunks, offset, slots
+
+    def _plan_chunks(self, want: Want, sources: dict[int, list[str]]) -> tuple[Direct, list[Chunk], int]:
+        """Per prefill rank the plan of its layers that land directly, and the chunks staging the rest, with
+        how many may be in flight at once."""
         direct: Direct = {}
         staged: list[tuple[int, tuple[StagedLayer, ...]]] = []
         for rank, layers in sources.items():
@@ -115,18 +138,13 @@ class Starter:
             direct[rank] = self._route(want, src, rest, None) if rest else None
             staged.append((rank, whole.staged))
         if not staged:
-            return direct, [], -1, 0
+            return direct, [], 0
         bound, slots = chunk_bound(self.side.local.arena.size, [x for _, of_rank in staged for x in of_rank])
         chunks: list[Chunk] = []
         for rank, of_rank in staged:
             ids = {x.layer_name: want.remote_ids[self.side.spec.layer(x.layer_name).group_id] for x in of_rank}
             chunks += split_staged(rank, of_rank, ids, bound)
-        slots = min(slots, len(chunks))
-        slot_bytes = max(c.nbytes for c in chunks)
-        offset = self.side.local.arena.take(_stride(slot_bytes) * (slots - 1) + slot_bytes)
-        if offset is None and slots > 1:  # other requests hold part of the buffer: one chunk at a time
-            slots, offset = 1, self.side.local.arena.take(slot_bytes)
-        return None if offset is None else (direct, chunks, offset, slots)
+        return direct, chunks, min(slots, len(chunks))
 
     def _route(self, want: Want, src: Manifest, layers: list[str], staging: tuple[int, int] | None) -> TransferPlan:
         return route_plan(src, self.side.local.manifest, want.remote_ids, want.block_ids, want.num_tokens, layers,
