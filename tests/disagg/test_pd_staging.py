@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from kvref import canonical
-from pair import Engine, make, push_params, token_for
+from pair import Engine, make, prefill_ranks, push_params, token_for
 
 from kvplane.flows.disagg import decode_start, staged_pull
 from kvplane.kv.spec import KVSpec
@@ -238,3 +238,27 @@ def test_a_pull_waiting_for_staging_room_is_planned_once(monkeypatch: pytest.Mon
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_pull_from_prefill_ranks_whose_manifests_differ_is_refused_naming_the_field() -> None:
+    """A chunked pull decides per layer, for all prefill ranks at once, whether it lands directly or is staged:
+    that holds when the ranks of the prefill instance have the same manifest. Here rank 0 stores head-major
+    blocks (its heads land directly in the decode's head-major blocks) and rank 1 token-major ones (staged and
+    re-laid out over the same destination blocks). The pull is refused, naming the field, both values and the
+    fix, and both prefill ranks are told. On main at cbeed0c it went ahead, mixing both kinds of writes."""
+    spec = KVSpec.gqa(2, 2, 32, tokens_per_block=16, dtype="float32")  # one rank's share of 4 KV heads
+    ranks = prefill_ranks(spec, ["packed_kv@HND", "packed_kv"], seed=7)
+    decode = make("decode", KVSpec.gqa(2, 4, 32, tokens_per_block=16, dtype="float32"), "packed_kv@HND")
+    try:
+        params = [r.side.request_finished("r", r.allocate(TOKENS), TOKENS, token=token_for("r")) for r in ranks]
+        decode.side.start_pull("r", params[0], decode.allocate(TOKENS))
+        done = decode.wait("r")
+        assert done.state == "failed", done
+        assert "regions['layers.0']" in done.reason and "'HND'" in done.reason and "'NHD'" in done.reason, \
+            done.reason
+        assert "same KV layout" in done.reason, done.reason
+        assert [r.wait("r").state for r in ranks] == ["failed", "failed"]
+    finally:
+        decode.close()
+        for r in ranks:
+            r.close()

@@ -20,6 +20,7 @@ from kvplane.blocks.groups import Ids
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import PushRegister
+from kvplane.flows.disagg.rank_manifests import check_alike
 from kvplane.flows.disagg.records import Conn, PullPlan, Want
 from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
 from kvplane.flows.disagg.staged_pull import StagedPull
@@ -121,7 +122,14 @@ class Starter:
 
     def _plan_chunks(self, want: Want, sources: dict[int, list[str]]) -> tuple[Direct, list[Chunk], int]:
         """Per prefill rank the plan of its layers that land directly, and the chunks staging the rest, with
-        how many may be in flight at once."""
+        how many may be in flight at once. The ranks must store their KV alike (``rank_manifests``): what is
+        staged is decided per layer for all of them."""
+        manifests = {}
+        for rank in sources:
+            record = want.conns[rank].record
+            assert record is not None  # every rank handshook before the request started
+            manifests[rank] = record.manifest
+        check_alike(want.params.remote_engine_id, manifests)
         direct: Direct = {}
         staged: list[tuple[int, tuple[StagedLayer, ...]]] = []
         for rank, layers in sources.items():
