@@ -262,3 +262,44 @@ def test_a_pull_from_prefill_ranks_whose_manifests_differ_is_refused_naming_the_
         decode.close()
         for r in ranks:
             r.close()
+
+
+def test_a_push_waiting_for_staging_room_is_sized_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a pull: a staged push retrying its start on every tick while the buffer is full sizes its staging once
+    (on main at cbeed0c every retry planned the whole request again to size it)."""
+    real, sized = decode_start.staging_needed, []
+
+    def counted(*args: Any) -> Any:
+        sized.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(decode_start, "staging_needed", counted)
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=7, mode="push")
+    decode = make("decode", spec, "mla_split", mode="push", staging_bytes=4 * 13 * source_block_bytes(16))
+    side, starter = decode.side, decode.side._starter
+    starts, real_start = [], starter.start
+
+    def start(want: Any) -> Any:
+        starts.append(len(sized))  # the sizings made before this start
+        return real_start(want)
+
+    monkeypatch.setattr(starter, "start", start)
+    try:
+        arena = side.local.arena
+        held = side._loop.submit(lambda: arena.take(arena.size)).result(10)  # another request holds it all
+        p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+        side.register_push("r", push_params(prefill.side.base_port, "r", prefill.side.config.engine_id), d_ids,
+                           TOKENS)
+        end = time.monotonic() + 20
+        while len(starts) < 6:  # the first start and five retries (hang guard only)
+            assert time.monotonic() < end, f"only {len(starts)} starts"
+            time.sleep(0.01)
+        assert starts[1] > 0 and starts[-1] == starts[1], f"sizings before each start: {starts}"
+        side._loop.submit(lambda: arena.give(held)).result(10)
+        prefill.side.request_finished("r", p_ids, TOKENS, token=token_for("r"))
+        assert decode.wait("r").state == "done"
+        assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
+    finally:
+        decode.close()
+        prefill.close()

@@ -21,7 +21,7 @@ from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.rank_manifests import check_alike
-from kvplane.flows.disagg.records import Conn, PullPlan, Want
+from kvplane.flows.disagg.records import Conn, PullPlan, PushPlan, Want
 from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
 from kvplane.flows.disagg.staged_pull import StagedPull
 from kvplane.flows.disagg.staging import ALIGN
@@ -65,19 +65,12 @@ class Starter:
     def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
         """A push's staging ``(offset, bytes)`` per prefill rank that needs it, for the whole request; None when
         the arena is full for now. All ranks' ranges are taken or none: their summed need is checked against the
-        buffer before anything is taken."""
+        buffer before anything is taken. Sized once while it waits for room (see ``_plan_pull``)."""
         arena = self.side.local.arena
-        needs: dict[int, int] = {}
-        for rank, layers in sources.items():
-            conn = want.conns[rank]
-            assert conn.record is not None
-            key = tuple(layers)
-            if conn.stages.get(key, True):
-                need = staging_needed(conn.record.manifest, self.side.local.manifest,
-                                      _stand_in_ids(conn, want.num_tokens), want.block_ids, want.num_tokens, layers)
-                conn.stages[key] = need > 0
-                if need:
-                    needs[rank] = need
+        records = tuple(conn.record for conn in want.conns)
+        if not isinstance(want.planned, PushPlan) or not want.planned.made_from(records):
+            want.planned = PushPlan(tuple(r for r in records if r is not None), self._size_push(want, sources))
+        needs = want.planned.needs
         sizes = list(needs.values())  # taken in this order; only the last may end in the buffer's unaligned tail
         total = sum(_stride(n) for n in sizes[:-1]) + (sizes[-1] if sizes else 0)
         if total > arena.size:
@@ -95,7 +88,23 @@ class Starter:
                     arena.give(o)
                 return None
             out[rank] = (offset, need)
+        want.planned = None
         return out
+
+    def _size_push(self, want: Want, sources: dict[int, list[str]]) -> dict[int, int]:
+        """The staging bytes of each prefill rank whose layers a push stages."""
+        needs: dict[int, int] = {}
+        for rank, layers in sources.items():
+            conn = want.conns[rank]
+            assert conn.record is not None
+            key = tuple(layers)
+            if conn.stages.get(key, True):
+                need = staging_needed(conn.record.manifest, self.side.local.manifest,
+                                      _stand_in_ids(conn, want.num_tokens), want.block_ids, want.num_tokens, layers)
+                conn.stages[key] = need > 0
+                if need:
+                    needs[rank] = need
+        return needs
 
     def _plan_pull(self, want: Want, sources: dict[int, list[str]]) -> tuple[Direct, list[Chunk], int, int] | None:
         """Per prefill rank the plan of its layers that land directly, the chunks staging the rest, and the
@@ -103,7 +112,7 @@ class Starter:
         for room retries on every tick: it plans once and reuses the plan while its connections' peer records
         (the manifests it was planned against) stay the same."""
         records = tuple(conn.record for conn in want.conns)
-        if want.planned is None or not want.planned.made_from(records):
+        if not isinstance(want.planned, PullPlan) or not want.planned.made_from(records):
             direct, chunks, slots = self._plan_chunks(want, sources)
             want.planned = PullPlan(tuple(r for r in records if r is not None), direct, chunks, slots)
         planned = want.planned
