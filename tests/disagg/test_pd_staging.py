@@ -10,6 +10,7 @@ control), so a push larger than the buffer is refused the same way.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -301,5 +302,47 @@ def test_a_push_waiting_for_staging_room_is_sized_once(monkeypatch: pytest.Monke
         assert decode.wait("r").state == "done"
         assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
     finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_chunk_whose_relayout_is_dropped_at_close_fails_the_pull_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other way a closing side loses a re-layout: queued behind a running one when the executor closes
+    and drops what has not begun. That chunk must end too (on main at cbeed0c nothing ever called it back)."""
+    real, entered, release = staged_pull.apply_relayout, threading.Event(), threading.Event()
+
+    def held_relayout(*args: Any) -> None:
+        entered.set()
+        assert release.wait(30), "the test never released the re-layout"
+        real(*args)
+
+    real_read, reads = staged_pull.StagedPull._read, []
+
+    def counted_read(self: Any, *args: Any) -> None:
+        real_read(self, *args)
+        reads.append(1)  # this chunk's re-layout is queued (or it failed)
+
+    monkeypatch.setattr(staged_pull, "apply_relayout", held_relayout)
+    monkeypatch.setattr(staged_pull.StagedPull, "_read", counted_read)
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=9)
+    decode = make("decode", spec, "mla_split", staging_bytes=2 * source_block_bytes(16))  # two one-block slots
+    try:
+        p_ids = prefill.allocate(TOKENS)
+        decode.side.start_pull("r", prefill.side.request_finished("r", p_ids, TOKENS), decode.allocate(TOKENS))
+        end = time.monotonic() + 20
+        while not (entered.is_set() and len(reads) >= 2):  # one re-layout running, one queued (hang guard only)
+            assert time.monotonic() < end, "the first two chunks did not land"
+            time.sleep(0.005)
+        decode.side._starter.relayouts.close(discard_pending=True, wait=False)  # as DecodeSide.close does
+        release.set()
+        done = decode.wait("r", 20.0)
+        assert done.state == "failed" and "re-layout" in done.reason, done.reason
+        assert decode.side.local.arena.in_use == 0
+        assert prefill.wait("r").state == "failed"
+    finally:
+        release.set()
         decode.close()
         prefill.close()
