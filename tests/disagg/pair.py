@@ -8,12 +8,14 @@ they go back only when the side reports the request, so a leak shows as a pool t
 from __future__ import annotations
 
 import hashlib
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvfill import fill
+from kvref import split_choice
 
 from kvplane.backend import get_backend
 from kvplane.blocks.pool import BlockPool
@@ -68,12 +70,13 @@ class Engine:
 
 def make(role: str, spec: KVSpec, layout: str = "packed_kv", num_blocks: int = 64, seed: int = 0,
          engine: str = "mooncake", **config: Any) -> Engine:
-    cache = allocate_cache(spec, layout, num_blocks)
+    name, order = split_choice(layout)  # "packed_kv@HND": head-major blocks
+    cache = allocate_cache(spec, name, num_blocks, order=order)
     if seed:
         fill(cache, seed)
     settings = {"engine_id": f"{role}-{uuid.uuid4().hex[:6]}", "transport": engine, **FAST, **config}
     cls = PrefillSide if role == "prefill" else DecodeSide
-    side = cls(cpu, spec, cache, DisaggConfig(**settings), layouts=layout)
+    side = cls(cpu, spec, cache, DisaggConfig(**settings), layouts=name)
     return Engine(side, spec, cache, layout, BlockPool(num_blocks))
 
 
@@ -108,3 +111,48 @@ def watched_local_kv() -> tuple[type, list[Any]]:
             super().close()
 
     return Watched, built
+
+
+def ready_prefill_ranks(decode: Engine) -> int:
+    """How many prefill ranks ``decode``'s side has a ready connection to (handshaken, transport connected); read
+    from the loop's records, for waiting until a handshake is done before acting on the request."""
+    return sum(1 for conn in list(decode.side._conns.values()) if conn.state == "ready")
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """A base port with ``count`` consecutive free ports: a TP-n prefill listens on base .. base + n - 1."""
+    for _ in range(50):
+        socks: list[socket.socket] = []
+        try:
+            first = socket.socket()
+            socks.append(first)
+            first.bind((host, 0))
+            base = first.getsockname()[1]
+            for offset in range(1, count):
+                extra = socket.socket()
+                socks.append(extra)
+                extra.bind((host, base + offset))
+            return int(base)
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {count} free ports on {host}")
+
+
+def prefill_ranks(spec: KVSpec, layouts: list[str], seed: int = 0, **config: Any) -> list[Engine]:
+    """One TP prefill instance in this process: a ``PrefillSide`` per layout in ``layouts`` (rank r uses
+    ``layouts[r]``), sharing an engine id, a boot id and a base port; ``spec`` is one rank's share."""
+    base, tp, boot = free_port_run(len(layouts)), len(layouts), uuid.uuid4().hex[:8]
+    engine_id = f"prefill-{uuid.uuid4().hex[:6]}"
+    ranks: list[Engine] = []
+    try:
+        for rank, layout in enumerate(layouts):
+            ranks.append(make("prefill", spec, layout, seed=seed + rank if seed else 0, engine_id=engine_id,
+                              boot_id=boot, rank=rank, tp_size=tp, port=base, **config))
+    except BaseException:
+        for made in ranks:
+            made.close()
+        raise
+    return ranks

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -19,6 +20,8 @@ import pytest
 from framed import FramedProcess
 from kvfill import digest
 from pair import Engine, make, push_params, small_spec, token_for
+
+from kvplane.flows.disagg import limits
 
 pytestmark = pytest.mark.integration
 ATTACKER = Path(__file__).with_name("attacker.py")
@@ -234,6 +237,37 @@ def test_amplification_is_bounded_and_costs_no_records(attacker: FramedProcess) 
             "expect_boot": prefill.side.local.boot_id, "token": WRONG})
         assert ask(attacker, cmd="handshake", name="overflow", engine_id="overflow")["reply"] == "handshake"
         pull_and_check(prefill, decode, "after")
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_flood_of_problem_replies_never_drops_the_problem_answering_a_real_request(
+    attacker: FramedProcess, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handshaken attacker spends the reply budget with ReadDones naming a wrong boot id; then a real decode
+    registers a push for a request the prefill already let go. Its Problem ("no longer held") must still come,
+    or the decode waits out push_timeout_s (60 s here; the poll gives up at 20 s), cancels, drains and resets
+    its engine. The limiter's clock is frozen, so its budget never refills and no race with the clock decides
+    this. On main at cbeed0c one budget served every peer's Problems and every warning, and the reply was
+    dropped."""
+    frozen = limits.time.monotonic()
+    monkeypatch.setattr(limits, "time", SimpleNamespace(monotonic=lambda: frozen))
+    prefill = make("prefill", SPEC, seed=3, mode="push", lease_s=0.3, heartbeat_s=0.1)
+    decode = make("decode", SPEC, mode="push", push_timeout_s=60.0)
+    try:
+        prefill.side.request_finished("gone", prefill.allocate(40), 40, token=token_for("gone"))
+        assert prefill.wait("gone").state == "timed_out"  # nobody registered: its lease let it go
+        arm(attacker, prefill)
+        ask(attacker, cmd="send", name="evil", count=2 * int(limits.REPLIES_PER_S),
+            message=read_done("nobody", "evil", "not-the-boot-id"))
+        flood = ask(attacker, cmd="replies", name="evil", within=1.0)["count"]
+        assert 0 < flood <= limits.REPLIES_PER_S  # the flood is still answered within its budget only
+        sync(attacker)
+        decode.side.register_push("gone", push_params(prefill.side.base_port, "gone", prefill.side.config.engine_id),
+                                  decode.allocate(40), 40)
+        done = decode.wait("gone", 20.0)
+        assert done.state == "failed" and "no longer held" in done.reason, done.reason
     finally:
         decode.close()
         prefill.close()

@@ -9,7 +9,6 @@ NIXL on 127.0.0.1, pulled, pushed or pushed layer by layer, across heterogeneous
 from __future__ import annotations
 
 import itertools
-import socket
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from kvref import split_choice
+from pair import free_port_run
 from rank_pool import Pool
 from tiny_model import Shape, TinyDecoder
 
@@ -66,28 +66,6 @@ def reference(side: Side) -> tuple[list[int], torch.Tensor]:
 
 def logits_of(raw: bytes, rows: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).reshape(rows, -1)
-
-
-def free_port_run(count: int, host: str = "127.0.0.1") -> int:
-    """A base port with ``count`` consecutive free ports: a TP-n prefill listens on base .. base + n - 1."""
-    for _ in range(50):
-        socks: list[socket.socket] = []
-        try:
-            first = socket.socket()
-            socks.append(first)
-            first.bind((host, 0))
-            base = first.getsockname()[1]
-            for offset in range(1, count):
-                extra = socket.socket()
-                socks.append(extra)
-                extra.bind((host, base + offset))
-            return int(base)
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no run of {count} free ports on {host}")
 
 
 def setup(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, **bounds: Any) -> tuple[list[Any], list[Any], int]:

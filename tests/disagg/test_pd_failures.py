@@ -20,7 +20,7 @@ import zmq
 from framed import FramedProcess
 from kvfill import digest
 from kvref import canonical
-from pair import Engine, make, push_params, small_spec, token_for
+from pair import Engine, make, push_params, ready_prefill_ranks, small_spec, token_for
 from rank_pool import spawn
 
 from kvplane.flows.disagg import DisaggError, TransferParamsError, messages
@@ -502,16 +502,19 @@ def test_a_push_the_decode_cannot_plan_frees_the_prefill_blocks_before_the_lease
 
 
 @pytest.mark.parametrize("order", ["handed_first", "registered_first"])
-@pytest.mark.parametrize("ends", ["push_deadline", "handshake_timeout"])
+@pytest.mark.parametrize("ends", ["push_deadline", "handshake_timeout", "abort"])
 def test_a_push_given_up_while_a_prefill_rank_never_answers_frees_the_ranks_that_did_at_once(
         ends: str, order: str) -> None:
     """A push to a TP-2 prefill instance whose rank 1 never answers the handshake (a silent listener on its
-    port) ends before it is registered, either at push_timeout_s ("timed_out") or when the handshake with rank
-    1 times out ("failed"). Rank 0 handshook, holds the request's blocks and must free them at once, on the
-    decode's Cancel (DecodeSide._give_up_push), not after its 60 s lease (the poll gives up at 20 s)."""
+    port) ends before it is registered: at push_timeout_s ("timed_out"), when the handshake with rank 1 times
+    out ("failed"), or when the decode engine aborts it once rank 0 handshook ("failed", "aborted"). Rank 0
+    handshook, holds the request's blocks and must free them at once, on the decode's Cancel
+    (DecodeRequest._give_up), not after its 60 s lease (the poll gives up at 20 s). The abort sent no
+    Cancel on main at cbeed0c."""
     spec = small_spec()
     timeouts = {"push_timeout_s": 4.0, "handshake_timeout_s": 60.0} if ends == "push_deadline" else \
-        {"push_timeout_s": 60.0, "handshake_timeout_s": 4.0}  # rank 0 handshakes well within 4 s, as in FAST
+        {"push_timeout_s": 60.0, "handshake_timeout_s": 4.0} if ends == "handshake_timeout" else \
+        {"push_timeout_s": 60.0, "handshake_timeout_s": 60.0}  # rank 0 handshakes well within 4 s, as in FAST
     prefill = make("prefill", spec, seed=5, lease_s=60.0, push_timeout_s=60.0, mode="push")
     decode = make("decode", spec, mode="push", **timeouts)
     silent = socket.socket()
@@ -526,9 +529,12 @@ def test_a_push_given_up_while_a_prefill_rank_never_answers_frees_the_ranks_that
         if order == "handed_first":
             prefill.side.request_finished("r", ids, 40, token=token_for("r"))
         decode.side.register_push("r", params, decode.allocate(40), 40)
+        if ends == "abort":
+            wait_until(lambda: ready_prefill_ranks(decode) == 1, 15, "prefill rank 0 handshaking")
+            decode.side.abort("r")
         done = decode.wait("r")
         expected = ("timed_out", "did not start before the deadline") if ends == "push_deadline" else \
-            ("failed", "handshake with prefill rank 1")
+            ("failed", "handshake with prefill rank 1") if ends == "handshake_timeout" else ("failed", "aborted")
         assert (done.state, expected[1] in done.reason) == (expected[0], True), done.reason
         assert not prefill.side.push_registered("r")  # given up before any registration
         if order == "registered_first":

@@ -9,12 +9,18 @@ control), so a push larger than the buffer is refused the same way.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from kvref import canonical
-from pair import Engine, make, push_params, token_for
+from pair import Engine, make, prefill_ranks, push_params, token_for
 
+from kvplane.flows.disagg import decode_start, staged_pull
 from kvplane.kv.spec import KVSpec
 
 ENGINES = ("mooncake", "nixl")
@@ -131,5 +137,212 @@ def test_an_abort_during_a_chunked_pull_stops_it_and_gives_the_staging_range_bac
         assert decode.wait("next").state == "done"
         assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
     finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_chunk_whose_relayout_executor_closed_fails_the_pull_instead_of_hanging(engine: str) -> None:
+    """While a side closes, its re-layout executor may close before the last READ of a chunk calls back (the
+    loop's stop gives up after its timeout). Such a chunk must end: the request fails, naming why, its staging
+    range goes back and the prefill is told. On main at cbeed0c ``post`` raised on the loop, the chunk stayed
+    busy and the request never ended (a pull past its deadline drains until its READs end)."""
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=9, engine=engine)
+    decode = make("decode", spec, "mla_split", engine=engine, staging_bytes=3 * source_block_bytes(16),
+                  transfer_timeout_s=3.0, handshake_timeout_s=3.0)
+    try:
+        decode.side._starter.relayouts.close()  # as DecodeSide.close does, with the loop still running
+        p_ids = prefill.allocate(TOKENS)
+        decode.side.start_pull("r", prefill.side.request_finished("r", p_ids, TOKENS), decode.allocate(TOKENS))
+        done = decode.wait("r", 20.0)
+        assert done.state == "failed" and "re-layout" in done.reason, done.reason
+        assert decode.side.local.arena.in_use == 0
+        assert prefill.wait("r").state == "failed"  # told by ReadDone(ok=False), not left to its lease
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_failed_relayout_fails_its_request_only_and_keeps_the_prefill_connection(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A re-layout that fails is this rank's own fault (here: the first one raises), not the prefill's: the
+    request fails, naming it, and the prefill is told; the next request reuses the connection as it is. On main
+    at cbeed0c the failure marked the connection stale, as a failed READ does (the prefill's engine may have
+    been reset), and the next request handshook again for nothing."""
+    real, calls = staged_pull.apply_relayout, []
+
+    def relayout_failing_once(*args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("planted re-layout failure")
+        real(*args)
+
+    monkeypatch.setattr(staged_pull, "apply_relayout", relayout_failing_once)
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=7)
+    decode = make("decode", spec, "mla_split", staging_bytes=3 * source_block_bytes(16))
+    try:
+        p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+        decode.side.start_pull("bad", prefill.side.request_finished("bad", p_ids, TOKENS), d_ids)
+        done = decode.wait("bad")
+        assert done.state == "failed" and "planted re-layout failure" in done.reason, done.reason
+        assert prefill.wait("bad").state == "failed"
+        with caplog.at_level(logging.WARNING, logger="kvplane.disagg"):
+            p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+            decode.side.start_pull("next", prefill.side.request_finished("next", p_ids, TOKENS), d_ids)
+            assert decode.wait("next").state == "done"
+        assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
+        again = [r.getMessage() for r in caplog.records if "handshaking again" in r.getMessage()]
+        assert again == [], again
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_pull_waiting_for_staging_room_is_planned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the staging buffer is full, a staged pull retries its start on every tick of the loop (20 ms): it
+    must reuse the plan it made, not plan again each time (on main at cbeed0c every retry called the planner
+    again, for every layer of every prefill rank). Once room is free, the same plan lands every byte."""
+    real, plans = decode_start.route_plan, []
+
+    def counted(*args: Any) -> Any:
+        plans.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(decode_start, "route_plan", counted)
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=7)
+    decode = make("decode", spec, "mla_split", staging_bytes=3 * source_block_bytes(16))
+    side, starter = decode.side, decode.side._starter
+    starts, real_start = [], starter.start
+
+    def start(want: Any) -> Any:
+        starts.append(len(plans))  # the planner calls made before this start
+        return real_start(want)
+
+    monkeypatch.setattr(starter, "start", start)
+    try:
+        arena = side.local.arena
+        held = side._loop.submit(lambda: arena.take(arena.size)).result(10)  # another request holds it all
+        p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+        side.start_pull("r", prefill.side.request_finished("r", p_ids, TOKENS), d_ids)
+        end = time.monotonic() + 20
+        while len(starts) < 6:  # the first start and five retries (hang guard only)
+            assert time.monotonic() < end, f"only {len(starts)} starts"
+            time.sleep(0.01)
+        assert starts[1] > 0 and starts[-1] == starts[1], f"planner calls before each start: {starts}"
+        side._loop.submit(lambda: arena.give(held)).result(10)
+        assert decode.wait("r").state == "done"
+        assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_pull_from_prefill_ranks_whose_manifests_differ_is_refused_naming_the_field() -> None:
+    """A chunked pull decides per layer, for all prefill ranks at once, whether it lands directly or is staged:
+    that holds when the ranks of the prefill instance have the same manifest. Here rank 0 stores head-major
+    blocks (its heads land directly in the decode's head-major blocks) and rank 1 token-major ones (staged and
+    re-laid out over the same destination blocks). The pull is refused, naming the field, both values and the
+    fix, and both prefill ranks are told. On main at cbeed0c it went ahead, mixing both kinds of writes."""
+    spec = KVSpec.gqa(2, 2, 32, tokens_per_block=16, dtype="float32")  # one rank's share of 4 KV heads
+    ranks = prefill_ranks(spec, ["packed_kv@HND", "packed_kv"], seed=7)
+    decode = make("decode", KVSpec.gqa(2, 4, 32, tokens_per_block=16, dtype="float32"), "packed_kv@HND")
+    try:
+        params = [r.side.request_finished("r", r.allocate(TOKENS), TOKENS, token=token_for("r")) for r in ranks]
+        decode.side.start_pull("r", params[0], decode.allocate(TOKENS))
+        done = decode.wait("r")
+        assert done.state == "failed", done
+        assert "regions['layers.0']" in done.reason and "'HND'" in done.reason and "'NHD'" in done.reason, \
+            done.reason
+        assert "same KV layout" in done.reason, done.reason
+        assert [r.wait("r").state for r in ranks] == ["failed", "failed"]
+    finally:
+        decode.close()
+        for r in ranks:
+            r.close()
+
+
+def test_a_push_waiting_for_staging_room_is_sized_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a pull: a staged push retrying its start on every tick while the buffer is full sizes its staging once
+    (on main at cbeed0c every retry planned the whole request again to size it)."""
+    real, sized = decode_start.staging_needed, []
+
+    def counted(*args: Any) -> Any:
+        sized.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(decode_start, "staging_needed", counted)
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=7, mode="push")
+    decode = make("decode", spec, "mla_split", mode="push", staging_bytes=4 * 13 * source_block_bytes(16))
+    side, starter = decode.side, decode.side._starter
+    starts, real_start = [], starter.start
+
+    def start(want: Any) -> Any:
+        starts.append(len(sized))  # the sizings made before this start
+        return real_start(want)
+
+    monkeypatch.setattr(starter, "start", start)
+    try:
+        arena = side.local.arena
+        held = side._loop.submit(lambda: arena.take(arena.size)).result(10)  # another request holds it all
+        p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
+        side.register_push("r", push_params(prefill.side.base_port, "r", prefill.side.config.engine_id), d_ids,
+                           TOKENS)
+        end = time.monotonic() + 20
+        while len(starts) < 6:  # the first start and five retries (hang guard only)
+            assert time.monotonic() < end, f"only {len(starts)} starts"
+            time.sleep(0.01)
+        assert starts[1] > 0 and starts[-1] == starts[1], f"sizings before each start: {starts}"
+        side._loop.submit(lambda: arena.give(held)).result(10)
+        prefill.side.request_finished("r", p_ids, TOKENS, token=token_for("r"))
+        assert decode.wait("r").state == "done"
+        assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_chunk_whose_relayout_is_dropped_at_close_fails_the_pull_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other way a closing side loses a re-layout: queued behind a running one when the executor closes
+    and drops what has not begun. That chunk must end too (on main at cbeed0c nothing ever called it back)."""
+    real, entered, release = staged_pull.apply_relayout, threading.Event(), threading.Event()
+
+    def held_relayout(*args: Any) -> None:
+        entered.set()
+        assert release.wait(30), "the test never released the re-layout"
+        real(*args)
+
+    real_read, reads = staged_pull.StagedPull._read, []
+
+    def counted_read(self: Any, *args: Any) -> None:
+        real_read(self, *args)
+        reads.append(1)  # this chunk's re-layout is queued (or it failed)
+
+    monkeypatch.setattr(staged_pull, "apply_relayout", held_relayout)
+    monkeypatch.setattr(staged_pull.StagedPull, "_read", counted_read)
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=9)
+    decode = make("decode", spec, "mla_split", staging_bytes=2 * source_block_bytes(16))  # two one-block slots
+    try:
+        p_ids = prefill.allocate(TOKENS)
+        decode.side.start_pull("r", prefill.side.request_finished("r", p_ids, TOKENS), decode.allocate(TOKENS))
+        end = time.monotonic() + 20
+        while not (entered.is_set() and len(reads) >= 2):  # one re-layout running, one queued (hang guard only)
+            assert time.monotonic() < end, "the first two chunks did not land"
+            time.sleep(0.005)
+        decode.side._starter.relayouts.close(discard_pending=True, wait=False)  # as DecodeSide.close does
+        release.set()
+        done = decode.wait("r", 20.0)
+        assert done.state == "failed" and "re-layout" in done.reason, done.reason
+        assert decode.side.local.arena.in_use == 0
+        assert prefill.wait("r").state == "failed"
+    finally:
+        release.set()
         decode.close()
         prefill.close()

@@ -3,6 +3,8 @@ local KV (its registered memory and transport engine) and the I/O loop's ZMQ con
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import zmq
 from pair import cpu, small_spec, watched_local_kv
@@ -28,3 +30,37 @@ def test_a_prefill_side_whose_port_is_taken_closes_its_local_kv(monkeypatch: pyt
         taken.close(linger=0)
         context.term()
     assert len(built) == 1 and built[0].closes == 1, "the LocalKV built before the bind failed was not closed"
+
+
+@pytest.mark.parametrize("failing", ["Mover", "Pusher", "Admission"])
+def test_a_prefill_side_whose_parts_fail_to_build_gives_back_what_it_built(
+    monkeypatch: pytest.MonkeyPatch, failing: str,
+) -> None:
+    """As a decode side does (``test_decode_start_failure.py``): on main at cbeed0c only the bind and the keys
+    were undone, and a part built after them that raised left the LocalKV, the socket and the threads behind."""
+    Watched, built = watched_local_kv()
+    monkeypatch.setattr(prefill_module, "LocalKV", Watched)
+    real_loop, loops = prefill_module.IOLoop, []
+    real_mover, movers = prefill_module.Mover, []
+
+    def loop(*args: Any, **kwargs: Any) -> Any:
+        loops.append(real_loop(*args, **kwargs))
+        return loops[-1]
+
+    def mover(*args: Any, **kwargs: Any) -> Any:
+        movers.append(real_mover(*args, **kwargs))
+        return movers[-1]
+
+    def planted(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"planted failure building the {failing}")
+
+    monkeypatch.setattr(prefill_module, "IOLoop", loop)
+    monkeypatch.setattr(prefill_module, "Mover", mover)
+    monkeypatch.setattr(prefill_module, failing, planted)
+    spec = small_spec()
+    config = DisaggConfig(engine_id=f"prefill-no-{failing.lower()}", transport="mooncake")
+    with pytest.raises(RuntimeError, match="planted failure"):
+        PrefillSide(cpu, spec, allocate_cache(spec, "packed_kv", 8), config, layouts="packed_kv")
+    assert len(built) == 1 and built[0].closes == 1, "the LocalKV was not closed"
+    assert len(loops) == 1 and loops[0].context.closed, "the I/O loop's ZMQ context was left open"
+    assert all(not m._thread.is_alive() for m in movers), "the transfer thread was left running"

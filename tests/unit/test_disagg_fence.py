@@ -13,6 +13,7 @@ from kvplane.flows.disagg.decode_actions import (
     Action,
     Fence,
     GiveStaging,
+    MarkStale,
     Note,
     Relayout,
     Report,
@@ -94,6 +95,37 @@ def test_a_handshake_that_failed_reports_at_once_with_nothing_sent() -> None:
     m = DecodeRequest(Ident("r", "pull", "p-r", "prefill", "boot", "tok", 2, "decode", 0, 1, 2.0), 10.0)
     out = m.connections({0: RankView("ready", "h:0", "", "prefill", "boot"), 1: RankView("failed", "h:1", "no")})
     assert out == [GiveStaging(), Report("failed", "handshake with prefill rank 1 at h:1 failed: no")]
+
+
+def test_a_local_failure_fails_the_request_without_suspecting_the_prefill_rank() -> None:
+    """A staged chunk's re-layout failed on this rank: no ``MarkStale`` (a new handshake), unlike a failed READ."""
+    m = _machine("pull")
+    out = m.transfer_ended(0, "re-layout of staged blocks failed: boom", local=True)
+    assert not any(isinstance(a, MarkStale) for a in out)
+    out = m.transfer_ended(1, "connection reset")
+    assert out[0] == MarkStale(1) and out[-1] == Report("failed", "re-layout of staged blocks failed: boom")
+
+
+def _push_connecting() -> DecodeRequest:
+    """A push to a TP-2 prefill whose rank 0 handshook and rank 1 has not answered yet: nothing registered."""
+    m = DecodeRequest(Ident("r", "push", "p-r", "prefill", "", "tok", 2, "decode", 0, 1, 2.0), 10.0)
+    out = m.connections({0: RankView("ready", "h:0", "", "prefill", "boot"), 1: RankView("waiting", "h:1")})
+    assert out == [] and m.phase is Phase.CONNECT
+    return m
+
+
+def test_a_push_aborted_before_it_registered_cancels_on_the_ranks_that_handshook() -> None:
+    """Rank 0 may hold the request's blocks: it must be told at once, not left to its lease (main at cbeed0c
+    reported without a Cancel)."""
+    out = _push_connecting().abort()
+    assert out == [Send(0, Cancel("p-r", "decode", 0, "tok"), ready_only=True), GiveStaging(),
+                   Report("failed", "aborted on the decode instance")]
+
+
+def test_a_problem_on_a_push_before_it_registered_cancels_on_the_ranks_that_handshook() -> None:
+    out = _push_connecting().problem(0, "request is no longer held")
+    assert out == [Send(0, Cancel("p-r", "decode", 0, "tok"), ready_only=True), GiveStaging(),
+                   Report("failed", "prefill rank 0: request is no longer held")]
 
 
 def test_the_docs_list_exactly_the_machines_transitions() -> None:

@@ -20,7 +20,7 @@ from kvplane.flows.disagg import (
     messages,
 )
 from kvplane.flows.disagg.errors import TransferParamsError
-from kvplane.flows.disagg.limits import RateLimit
+from kvplane.flows.disagg.limits import PerPeer, RateLimit
 from kvplane.flows.disagg.tokens import is_token, new_token, same_token
 from kvplane.kv.binding import allocate_cache
 from kvplane.kv.spec import KVSpec
@@ -129,3 +129,11 @@ def test_the_rate_limit_allows_a_burst_then_counts_what_it_drops() -> None:
     limit = RateLimit(per_s=10)
     allowed = sum(limit.allow() for _ in range(1000))
     assert 10 <= allowed < 20 and limit.dropped == 1000 - allowed
+
+
+def test_one_peers_flood_spends_only_its_own_reply_budget() -> None:
+    replies = PerPeer(per_s=10, peers=2)
+    flood = sum(replies.allow(b"evil") for _ in range(1000))
+    assert 10 <= flood < 20
+    assert replies.allow(b"honest")  # a full budget of its own
+    assert replies.allow(b"third") and replies.allow(b"evil")  # "evil" was forgotten (2 kept): a fresh budget

@@ -60,7 +60,7 @@ from kvplane.flows.disagg.decode_actions import (
 )
 from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase, RankView
 from kvplane.flows.disagg.decode_start import Starter
-from kvplane.flows.disagg.errors import DisaggError
+from kvplane.flows.disagg.errors import DisaggError, RelayoutError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
@@ -109,17 +109,20 @@ class DecodeSide(SideLifecycle):
         self._active: set[str] = set()  # the engine thread's view: started and not yet reported
         self._next_heartbeat = 0.0
         self._next_check = 0.0
-        with ExitStack() as undo:  # keys refused at start: give back what was built so far, then raise
+        with ExitStack() as undo:  # keys refused, a part that fails: give back what was built so far, then raise
             undo.callback(self.local.close)
             self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick, self._publish)
             undo.callback(self._loop.context.destroy, linger=0)  # never started: close its sockets, end it
             self._guard = Guard(self._loop.context, curve_keys(config, "decode"))
+            undo.callback(self._guard.stop)
+            self._mover = Mover(f"kvplane-decode-{config.rank}-transfers", self.local.transport, "READ",
+                                config.max_inflight, self._loop.submit, on_reset=self._on_reset)
+            undo.callback(self._mover.stop)
+            self._starter = Starter(self)
+            undo.callback(self._starter.close)
+            self._prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
+            self._loop.start()  # last: nothing after it can fail, so a started loop is never undone
             undo.pop_all()
-        self._mover = Mover(f"kvplane-decode-{config.rank}-transfers", self.local.transport, "READ",
-                            config.max_inflight, self._loop.submit, on_reset=self._on_reset)
-        self._starter = Starter(self)
-        self._prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
-        self._loop.start()
         watch_side(self, "decode")
 
     def close(self) -> None:
@@ -286,7 +289,8 @@ class DecodeSide(SideLifecycle):
     def _moved(self, want: Want, rank: int, error: KvplaneError | None) -> None:
         """A READ's callback from the transfer thread, on the loop."""
         self._run(want, want.machine.transfer_ended(rank, "" if error is None else str(error),
-                                                    isinstance(error, TransferTimeout)))
+                                                    isinstance(error, TransferTimeout),
+                                                    local=isinstance(error, RelayoutError)))
 
     def _on_abort(self, request_id: str) -> None:
         want = self._wants.get(request_id)

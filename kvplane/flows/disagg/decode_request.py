@@ -117,8 +117,8 @@ class DecodeRequest:
         failed = [(r, v) for r, v in sorted(ranks.items()) if v.state == "failed"]
         if failed:
             r, v = failed[0]
-            out = self._give_up_push() if self.ident.mode == "push" else []  # the ranks that handshook free it now
-            return out + self._complete("failed", f"handshake with prefill rank {r} at {v.where} failed: {v.error}")
+            reason = f"handshake with prefill rank {r} at {v.where} failed: {v.error}"
+            return self._give_up() + self._complete("failed", reason)  # the ranks that handshook free it now
         if any(v.state != "ready" for v in ranks.values()):
             return []
         for r, v in sorted(ranks.items()):
@@ -147,16 +147,20 @@ class DecodeRequest:
     def cannot_plan(self, reason: str) -> list[Action]:
         """The start failed before anything was submitted: tell the prefill ranks so they free at once."""
         self._decide("failed", f"cannot plan the transfer: {reason}")
-        out = self._give_up_push() if self.ident.mode == "push" else []
-        return out + self._finish()
+        return self._give_up() + self._finish()
 
-    def transfer_ended(self, rank: int, error: str = "", timed_out: bool = False) -> list[Action]:
-        """This rank's READ from prefill rank ``rank`` ended in the engine (``error`` empty: every byte landed)."""
+    def transfer_ended(self, rank: int, error: str = "", timed_out: bool = False, local: bool = False
+                       ) -> list[Action]:
+        """This rank's READ from prefill rank ``rank`` ended in the engine (``error`` empty: every byte landed).
+        ``local``: the error is this rank's own (a staged chunk's re-layout), so the prefill rank's connection
+        is kept as it is; a READ that failed may mean its engine was reset, so it is handshaken again."""
         if not self._writer_ended(rank):
             return [Note(WARNING, f"a READ of request {self.ident.request_id} from prefill rank {rank} ended after "
                                   f"the request was reported; dropped")]
         out: list[Action] = []
-        if error:
+        if error and local:
+            self._decide("failed", error)
+        elif error:
             out.append(MarkStale(rank))
             self._decide("timed_out" if timed_out else "failed", f"READ from prefill rank {rank} failed: {error}")
         return out + (self._finish() if not self.pending else [])
@@ -188,7 +192,7 @@ class DecodeRequest:
         self.aborted = True
         self._decide("failed", "aborted on the decode instance")
         if self.phase is Phase.CONNECT:
-            return self._finish()
+            return self._give_up() + self._finish()
         if self.ident.mode == "push" and self.phase is Phase.DRAINING:
             return self._cancel_push()
         return []
@@ -200,7 +204,7 @@ class DecodeRequest:
         if self.phase is Phase.CONNECT:
             self._decide("timed_out", "the transfer did not start before the deadline (waiting for the handshake "
                                       "or for staging room)")
-            return (self._give_up_push() if self.ident.mode == "push" else []) + self._finish()
+            return self._give_up() + self._finish()
         if self.phase is Phase.MOVE and now > self.deadline:
             self._decide("timed_out", "the KV did not arrive before the deadline")
             return self._cancel_push() if self.ident.mode == "push" else []
@@ -262,7 +266,7 @@ class DecodeRequest:
 
     def _after_word(self) -> list[Action]:
         if self.phase is Phase.CONNECT:
-            return self._finish() if self.verdict is not None else []
+            return self._give_up() + self._finish() if self.verdict is not None else []
         return self._finish() if not self.pending else []
 
     def _finish(self) -> list[Action]:
@@ -300,6 +304,10 @@ class DecodeRequest:
         """A verdict on a registered push: ask every rank still writing to stop (its ``PushResult`` confirms)."""
         return [Send(r, self._cancel()) for r in sorted(self.pending)]
 
-    def _give_up_push(self) -> list[Action]:
-        """A push given up before it was registered: a ``Cancel`` to every rank that handshook, so it frees now."""
+    def _give_up(self) -> list[Action]:
+        """A verdict in ``CONNECT`` (a deadline, a failed handshake, a plan that failed, an abort, a ``Problem``):
+        a push was not registered yet, so a ``Cancel`` goes to every rank that handshook, which frees its blocks
+        now rather than at its lease. A pull's ranks are told by the ``ReadDone`` of the report."""
+        if self.ident.mode != "push":
+            return []
         return [Send(r, self._cancel(), ready_only=True) for r in sorted(self.boots)]

@@ -20,7 +20,8 @@ from kvplane.blocks.groups import Ids
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import PushRegister
-from kvplane.flows.disagg.records import Conn, Want
+from kvplane.flows.disagg.rank_manifests import check_alike
+from kvplane.flows.disagg.records import Conn, PullPlan, PushPlan, Want
 from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
 from kvplane.flows.disagg.staged_pull import StagedPull
 from kvplane.flows.disagg.staging import ALIGN
@@ -64,19 +65,12 @@ class Starter:
     def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
         """A push's staging ``(offset, bytes)`` per prefill rank that needs it, for the whole request; None when
         the arena is full for now. All ranks' ranges are taken or none: their summed need is checked against the
-        buffer before anything is taken."""
+        buffer before anything is taken. Sized once while it waits for room (see ``_plan_pull``)."""
         arena = self.side.local.arena
-        needs: dict[int, int] = {}
-        for rank, layers in sources.items():
-            conn = want.conns[rank]
-            assert conn.record is not None
-            key = tuple(layers)
-            if conn.stages.get(key, True):
-                need = staging_needed(conn.record.manifest, self.side.local.manifest,
-                                      _stand_in_ids(conn, want.num_tokens), want.block_ids, want.num_tokens, layers)
-                conn.stages[key] = need > 0
-                if need:
-                    needs[rank] = need
+        records = tuple(conn.record for conn in want.conns)
+        if not isinstance(want.planned, PushPlan) or not want.planned.made_from(records):
+            want.planned = PushPlan(tuple(r for r in records if r is not None), self._size_push(want, sources))
+        needs = want.planned.needs
         sizes = list(needs.values())  # taken in this order; only the last may end in the buffer's unaligned tail
         total = sum(_stride(n) for n in sizes[:-1]) + (sizes[-1] if sizes else 0)
         if total > arena.size:
@@ -94,11 +88,57 @@ class Starter:
                     arena.give(o)
                 return None
             out[rank] = (offset, need)
+        want.planned = None
         return out
+
+    def _size_push(self, want: Want, sources: dict[int, list[str]]) -> dict[int, int]:
+        """The staging bytes of each prefill rank whose layers a push stages."""
+        needs: dict[int, int] = {}
+        for rank, layers in sources.items():
+            conn = want.conns[rank]
+            assert conn.record is not None
+            key = tuple(layers)
+            if conn.stages.get(key, True):
+                need = staging_needed(conn.record.manifest, self.side.local.manifest,
+                                      _stand_in_ids(conn, want.num_tokens), want.block_ids, want.num_tokens, layers)
+                conn.stages[key] = need > 0
+                if need:
+                    needs[rank] = need
+        return needs
 
     def _plan_pull(self, want: Want, sources: dict[int, list[str]]) -> tuple[Direct, list[Chunk], int, int] | None:
         """Per prefill rank the plan of its layers that land directly, the chunks staging the rest, and the
-        range taken for them (offset, slot count); None when the arena has no room for now."""
+        range taken for them (offset, slot count); None when the arena has no room for now. A request waiting
+        for room retries on every tick: it plans once and reuses the plan while its connections' peer records
+        (the manifests it was planned against) stay the same."""
+        records = tuple(conn.record for conn in want.conns)
+        if not isinstance(want.planned, PullPlan) or not want.planned.made_from(records):
+            direct, chunks, slots = self._plan_chunks(want, sources)
+            want.planned = PullPlan(tuple(r for r in records if r is not None), direct, chunks, slots)
+        planned = want.planned
+        direct, chunks, slots = planned.direct, planned.chunks, planned.slots
+        if not chunks:
+            want.planned = None
+            return direct, [], -1, 0
+        slot_bytes = max(c.nbytes for c in chunks)
+        offset = self.side.local.arena.take(_stride(slot_bytes) * (slots - 1) + slot_bytes)
+        if offset is None and slots > 1:  # other requests hold part of the buffer: one chunk at a time
+            slots, offset = 1, self.side.local.arena.take(slot_bytes)
+        if offset is None:
+            return None
+        want.planned = None
+        return direct, chunks, offset, slots
+
+    def _plan_chunks(self, want: Want, sources: dict[int, list[str]]) -> tuple[Direct, list[Chunk], int]:
+        """Per prefill rank the plan of its layers that land directly, and the chunks staging the rest, with
+        how many may be in flight at once. The ranks must store their KV alike (``rank_manifests``): what is
+        staged is decided per layer for all of them."""
+        manifests = {}
+        for rank in sources:
+            record = want.conns[rank].record
+            assert record is not None  # every rank handshook before the request started
+            manifests[rank] = record.manifest
+        check_alike(want.params.remote_engine_id, manifests)
         direct: Direct = {}
         staged: list[tuple[int, tuple[StagedLayer, ...]]] = []
         for rank, layers in sources.items():
@@ -115,18 +155,13 @@ class Starter:
             direct[rank] = self._route(want, src, rest, None) if rest else None
             staged.append((rank, whole.staged))
         if not staged:
-            return direct, [], -1, 0
+            return direct, [], 0
         bound, slots = chunk_bound(self.side.local.arena.size, [x for _, of_rank in staged for x in of_rank])
         chunks: list[Chunk] = []
         for rank, of_rank in staged:
             ids = {x.layer_name: want.remote_ids[self.side.spec.layer(x.layer_name).group_id] for x in of_rank}
             chunks += split_staged(rank, of_rank, ids, bound)
-        slots = min(slots, len(chunks))
-        slot_bytes = max(c.nbytes for c in chunks)
-        offset = self.side.local.arena.take(_stride(slot_bytes) * (slots - 1) + slot_bytes)
-        if offset is None and slots > 1:  # other requests hold part of the buffer: one chunk at a time
-            slots, offset = 1, self.side.local.arena.take(slot_bytes)
-        return None if offset is None else (direct, chunks, offset, slots)
+        return direct, chunks, min(slots, len(chunks))
 
     def _route(self, want: Want, src: Manifest, layers: list[str], staging: tuple[int, int] | None) -> TransferPlan:
         return route_plan(src, self.side.local.manifest, want.remote_ids, want.block_ids, want.num_tokens, layers,

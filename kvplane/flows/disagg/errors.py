@@ -22,6 +22,11 @@ class TransferParamsError(DisaggError):
     """``kv_transfer_params`` from a prefill instance are missing a field or hold a wrong value."""
 
 
+class RelayoutError(DisaggError):
+    """Staged blocks could not be re-laid out on this rank (a failure of its own, or its re-layout thread is
+    closed): the request fails, and the prefill rank it read from is not suspected (no new handshake)."""
+
+
 class HandshakeError(KvplaneError, RuntimeError):
     """The two sides cannot exchange KV: manifests differ, the peer refused, or it did not answer in time."""
 

@@ -1,18 +1,24 @@
 """Bounds on what a peer's messages can make a side do: replies and log lines per second, records kept for
 requests the engine has not handed over yet.
 
-A flood of messages that each deserve an answer (a heartbeat naming 4096 finished requests, thousands of
-``ReadDone`` for a previous boot) costs at most ``RateLimit``'s budget in replies and warnings; what is dropped
-is counted, and the count is logged once the budget refills.
+A flood of messages that each earn an answer (thousands of ``ReadDone`` for a previous boot, registrations
+with a wrong token) costs at most ``RateLimit``'s budget in ``Problem`` replies per decode connection
+(``PerPeer``): one peer's flood spends its own budget, never another's. A ``Problem`` answering a message that
+carried the request's token is not limited at all: only the decode that owns the request can earn it, once
+per request a message names, and dropping it would leave that decode waiting for its deadline (then draining
+and resetting its engine). Warnings have a budget of their own, so a burst of log lines never eats the
+replies'. What is dropped is counted, and the count is logged once the budget refills.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 MAX_EARLY = 4096  # requests a prefill rank keeps word of before the engine hands them over (all peers)
-REPLIES_PER_S = 200.0  # problem replies and warnings per second per side (burst: as many)
+REPLIES_PER_S = 200.0  # problem replies per second per decode connection, warnings per side (burst: as many)
+MAX_PEERS = 1024  # decode connections whose reply budget is kept (the least recently used one goes first)
 
 
 class RateLimit:
@@ -42,3 +48,22 @@ class RateLimit:
             logger.warning("(%d similar replies or warnings suppressed by the rate limit)", self.dropped)
             self.dropped = 0
         logger.warning(message, *args)
+
+
+class PerPeer:
+    """One ``RateLimit`` per peer connection (a ZMQ routing id), for at most ``MAX_PEERS`` connections: a peer
+    seen again after its budget was forgotten starts with a full one, as a new connection would."""
+
+    def __init__(self, per_s: float = REPLIES_PER_S, peers: int = MAX_PEERS) -> None:
+        self.per_s, self.peers = per_s, peers
+        self._limits: OrderedDict[bytes, RateLimit] = OrderedDict()
+
+    def allow(self, peer: bytes) -> bool:
+        limit = self._limits.get(peer)
+        if limit is None:
+            limit = self._limits[peer] = RateLimit(self.per_s)
+            while len(self._limits) > self.peers:
+                self._limits.popitem(last=False)
+        else:
+            self._limits.move_to_end(peer)
+        return limit.allow()

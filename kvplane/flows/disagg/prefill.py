@@ -49,7 +49,7 @@ from kvplane.flows.disagg.held_request import (
     Terms,
     Write,
 )
-from kvplane.flows.disagg.limits import MAX_EARLY, RateLimit
+from kvplane.flows.disagg.limits import MAX_EARLY, PerPeer, RateLimit
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
@@ -98,7 +98,8 @@ class PrefillSide(SideLifecycle):
         self.backend, self.spec, self.config = backend, spec, config
         self.local = LocalKV(backend, spec, kv_caches, config, "prefill", layouts)
         self.counters = channel.Counters()
-        self._limit = RateLimit()
+        self._warnings = RateLimit()  # log lines; replies have budgets of their own (limits.py)
+        self._replies = PerPeer()  # Problem replies no token vouches for, per decode connection
         self._terms = Terms(config.rank, config.lease_s, config.push_timeout_s)
         self._held: dict[str, HeldRequest] = {}  # each request's machine, until it is released or dropped
         self._early: set[str] = set()  # requests whose machine is EARLY: word the engine has not handed over yet
@@ -107,7 +108,7 @@ class PrefillSide(SideLifecycle):
         self._next_lease_check = 0.0
         self._out = Published()
         self._engine_tokens: dict[str, str] = {}  # engine thread: handed over, not yet reported
-        with ExitStack() as undo:  # a port in use, bad keys: give back what was built so far, then raise
+        with ExitStack() as undo:  # a port in use, bad keys, a part that fails: give back what was built, raise
             undo.callback(self.local.close)
             self._loop = IOLoop(f"kvplane-prefill-{config.rank}", self._tick, self._publish)
             undo.callback(self._loop.context.destroy, linger=0)  # never started: close its sockets, end it
@@ -115,14 +116,15 @@ class PrefillSide(SideLifecycle):
             undo.callback(self._guard.stop)
             self._socket, self.port = channel.router(self._loop.context, config.listen_host, config.rank_port(),
                                                      config.max_message_bytes, self._guard.server)
+            self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
+                                config.max_inflight, self._loop.submit, flow=config.mode)
+            undo.callback(self._mover.stop)
+            self._pusher = Pusher(self.local, self._mover)
+            prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
+            self._admission = Admission(self.local, prober, self._reply, self._forget_peer, self._warnings)
+            self._loop.watch(self._socket, self._on_readable)
+            self._loop.start()  # last: nothing after it can fail, so a started loop is never undone
             undo.pop_all()
-        self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
-                            config.max_inflight, self._loop.submit, flow=config.mode)
-        self._pusher = Pusher(self.local, self._mover)
-        prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
-        self._admission = Admission(self.local, prober, self._reply, self._forget_peer, self._limit)
-        self._loop.watch(self._socket, self._on_readable)
-        self._loop.start()
         watch_side(self, "prefill")
 
     @property
@@ -200,8 +202,8 @@ class PrefillSide(SideLifecycle):
         if request.phase is not Phase.EARLY:
             self._early.discard(request.request_id)
         for action in actions:
-            if isinstance(action, Send):
-                if not isinstance(action.message, Problem) or self._limit.allow():
+            if isinstance(action, Send):  # the machine's Problems answer word its token did not vouch for
+                if not isinstance(action.message, Problem) or self._replies.allow(action.to):
                     self._reply(action.to, action.message)
             elif isinstance(action, Prepare):
                 assert request.held.block_ids is not None  # a machine prepares only once it has the blocks
@@ -235,7 +237,7 @@ class PrefillSide(SideLifecycle):
         while len(self._released) > REMEMBERED:
             self._released.popitem(last=False)
         if state != "done":
-            self._limit.warn(logger, "prefill rank %d: request %s %s%s", self.config.rank, request.request_id, state,
+            self._warnings.warn(logger, "prefill rank %d: request %s %s%s", self.config.rank, request.request_id, state,
                              f" ({reason})" if reason else "")
         recorder().request_ended(self.config.mode, state)
         self._out.add(completion)
@@ -294,7 +296,7 @@ class PrefillSide(SideLifecycle):
             if request is not None:
                 self._run(request, request.heartbeat(beat.engine_id, token, now))
             elif rid in self._released and same_token(self._released[rid][1], token):
-                self._problem(identity, rid, self._released[rid][0])
+                self._problem(identity, rid, self._released[rid][0], vouched=True)
 
     def _on_read_done(self, identity: bytes, done: ReadDone) -> None:
         if done.expect_boot != self.local.boot_id:
@@ -312,18 +314,19 @@ class PrefillSide(SideLifecycle):
 
     def _on_register(self, identity: bytes, peer: PeerRecord, reg: PushRegister) -> None:
         rid = reg.request_id
-        problem = ""
+        problem, vouched = "", False
         if reg.expect_boot != self.local.boot_id:
             problem = "stale: this prefill rank restarted; handshake again"
         elif rid in self._released and rid not in self._held:
             problem = f"request is no longer held ({self._released[rid][0]})"
+            vouched = same_token(self._released[rid][1], reg.token)
         else:
             problem = check_destination(peer, reg)
         request = self._held.get(rid)
         if not problem and request is None and not self._room_for_early():
             problem = "too many requests registered that this prefill rank was not handed yet; retry later"
         if problem:
-            self._problem(identity, rid, problem)
+            self._problem(identity, rid, problem, vouched)
             return
         if request is None:  # waiting for the request itself
             request = self._new(rid, time.monotonic() + self.config.push_timeout_s)
@@ -346,10 +349,13 @@ class PrefillSide(SideLifecycle):
 
     def _drop(self, why: str) -> None:
         self.counters.rejected += 1
-        self._limit.warn(logger, "prefill rank %d: %s; dropped", self.config.rank, why)
+        self._warnings.warn(logger, "prefill rank %d: %s; dropped", self.config.rank, why)
 
-    def _problem(self, identity: bytes, request_id: str, reason: str) -> None:
-        if self._limit.allow():
+    def _problem(self, identity: bytes, request_id: str, reason: str, vouched: bool = False) -> None:
+        """Tell a decode connection a message about ``request_id`` was not acted on. ``vouched``: the message
+        carried the request's token, so only its owner could earn the reply, and it is always sent (the decode
+        would otherwise wait for its deadline); other replies spend the connection's own budget."""
+        if vouched or self._replies.allow(identity):
             self._reply(identity, Problem(request_id, self.config.rank, reason))
 
     def _reply(self, identity: bytes, message: Message) -> bool:

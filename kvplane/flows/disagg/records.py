@@ -16,6 +16,7 @@ from kvplane.flows.disagg.decode_request import DecodeRequest
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord
+from kvplane.flows.disagg.staging_chunks import Chunk
 from kvplane.plan.planner import TransferPlan
 
 
@@ -38,6 +39,29 @@ class Conn:
     stages: dict[tuple[str, ...], bool] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Planned:
+    """What ``decode_start.Starter`` worked out for a request, kept while it waits for staging room: reused as
+    long as it was made from the peer records its connections hold now (a new handshake makes new ones)."""
+
+    records: tuple[PeerRecord, ...]  # held, so compared by identity: none can be collected and its id reused
+
+    def made_from(self, records: tuple[PeerRecord | None, ...]) -> bool:
+        return len(records) == len(self.records) and all(a is b for a, b in zip(records, self.records))
+
+
+@dataclass(frozen=True)
+class PullPlan(Planned):
+    direct: dict[int, TransferPlan | None]  # per prefill rank: the plan of its layers that land directly
+    chunks: list[Chunk]  # the staged rest, in chunks
+    slots: int  # chunks in flight at once
+
+
+@dataclass(frozen=True)
+class PushPlan(Planned):
+    needs: dict[int, int]  # per prefill rank that stages: the bytes of its staging range
+
+
 @dataclass
 class Want:
     """One request this rank is receiving KV for: what the ``Starter`` plans from and fills in (``staged``: a
@@ -52,6 +76,7 @@ class Want:
     machine: DecodeRequest
     conns: list[Conn] = field(default_factory=list)
     staged: list[tuple[int, int, TransferPlan]] = field(default_factory=list)  # (offset, bytes, plan)
+    planned: PullPlan | PushPlan | None = None  # while it waits for staging room
 
 
 @dataclass

@@ -11,25 +11,30 @@ destination blocks (a decode rank that takes heads from two prefill ranks), and 
 Each prefill rank's transfer ends (``DecodeSide._moved``) once all its parts did: its direct READ, if it has
 one, and every one of its chunks READ and re-laid out. A failure or a verdict on the request (an abort, a
 deadline) stops new chunks; the range goes back to the arena only once no READ into it and no re-layout from
-it is left, before the last rank ends (so before the request can be reported). The pull's state lives on
+it is left, before the last rank ends (so before the request can be reported). A chunk whose re-layout the
+executor refuses or drops (the side is closing) ends failed, so the request still ends. The pull's state lives on
 the loop thread; only ``_relayout`` runs on the re-layout thread.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING
 
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg.errors import DisaggError
+from kvplane.flows.disagg.errors import RelayoutError
 from kvplane.flows.disagg.records import Want
 from kvplane.flows.disagg.staging_chunks import Chunk
 from kvplane.plan.relayout import apply_relayout
+from kvplane.runtime import ExecutorClosed
 from kvplane.runtime.executor import Executor
 
 if TYPE_CHECKING:
     from kvplane.flows.disagg.decode import DecodeSide
+
+_CLOSING = "re-layout of staged blocks did not run: the side's re-layout thread is closed (the side is closing)"
 
 
 class StagedPull:
@@ -71,16 +76,26 @@ class StagedPull:
     def direct_ended(self, rank: int, error: KvplaneError | None) -> None:
         """Rank ``rank``'s direct READ ended (on the loop)."""
         if error is not None:
-            self._errors.setdefault(rank, error)
+            self._fail(rank, error)
         self._end(self._part_done(rank))
         self.pump()
 
     def _read(self, chunk: Chunk, slot: int, error: KvplaneError | None) -> None:  # on the loop
         if error is not None:
-            self._errors.setdefault(chunk.rank, error)
+            self._fail(chunk.rank, error)
             self._chunk_done(chunk, slot)
             return
-        self.relayouts.post(self._relayout, chunk, slot, name="re-layout of a staged chunk")
+        try:
+            job = self.relayouts.submit(partial(self._relayout, chunk, slot), name="re-layout of a staged chunk")
+        except ExecutorClosed:  # the side is closing: the chunk ends failed, it does not wait for a thread gone
+            self._relaid(chunk, slot, RelayoutError(_CLOSING))
+            return
+        job.add_done_callback(partial(self._dropped, chunk, slot))
+
+    def _dropped(self, chunk: Chunk, slot: int, job: Future[None]) -> None:  # on either thread
+        """A re-layout the executor dropped unrun at close ends its chunk failed, like one it refused."""
+        if job.cancelled():
+            self.side._loop.submit(lambda: self._relaid(chunk, slot, RelayoutError(_CLOSING)))
 
     def _relayout(self, chunk: Chunk, slot: int) -> None:  # on the re-layout thread
         error: KvplaneError | None = None
@@ -94,13 +109,20 @@ class StagedPull:
                                self.side.kv_caches[staged.layer_name])
             self.side.backend.synchronize()
         except Exception as e:  # a re-layout that fails leaves the blocks untrustworthy
-            error = DisaggError(f"re-layout of staged blocks failed: {e!r}")
+            error = RelayoutError(f"re-layout of staged blocks failed: {e!r}")
         self.side._loop.submit(lambda: self._relaid(chunk, slot, error))
 
     def _relaid(self, chunk: Chunk, slot: int, error: KvplaneError | None) -> None:  # on the loop
         if error is not None:
-            self._errors.setdefault(chunk.rank, error)
+            self._fail(chunk.rank, error)
         self._chunk_done(chunk, slot)
+
+    def _fail(self, rank: int, error: KvplaneError) -> None:
+        """Keep the first error of ``rank``'s parts, but a READ's over a re-layout's: the rank's end then says
+        its READ failed, and its connection is handshaken again (a local failure alone does not)."""
+        if rank not in self._errors or (isinstance(self._errors[rank], RelayoutError)
+                                        and not isinstance(error, RelayoutError)):
+            self._errors[rank] = error
 
     def _chunk_done(self, chunk: Chunk, slot: int) -> None:
         self._busy -= 1
