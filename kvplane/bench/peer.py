@@ -124,7 +124,7 @@ def cross_layer_cache(
     cache: dict[str, LayerValue] = {}
     for name, v in views.items():
         assert not isinstance(v, tuple)  # allocate_cross_layer takes one-tensor layouts only
-        cache[name] = cross.as_strided(v.shape, v.stride(), v.storage_offset())
+        cache[name] = cross.as_strided(v.shape, v.stride(), cross.storage_offset() + v.storage_offset())
     return raw, cache
 
 
