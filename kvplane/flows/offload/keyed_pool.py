@@ -189,6 +189,10 @@ class KeyedPool(BlockPool):
         _, got = self._pool.oldest(*self._state, out)
         return out[:got]
 
+    def oldest_array(self, n: int) -> I64:
+        """``oldest_cached`` as an int64 array: the ``n`` blocks an allocation would evict first."""
+        return self._oldest(n)
+
     def evict(self, block_id: int) -> None:
         if self._pool is None:
             return super().evict(block_id)
