@@ -67,7 +67,8 @@ class HostIndex:
         pool = self.pools[group]
         shown: Ids | None = None
         while before_evict is not None:
-            to_evict = min(n, pool.num_free) - pool.num_unused
+            free, unused = pool.counts()
+            to_evict = min(n, free) - unused
             if to_evict <= 0:
                 break
             victims = pool.oldest_array(to_evict)
@@ -77,7 +78,7 @@ class HostIndex:
                 break
             before_evict(group, victims, pool.keys_of(victims))
             shown = victims if shown is None else np.concatenate((shown, victims))
-        return pool.allocate_array(min(n, pool.num_free))
+        return pool.allocate_upto(n)
 
     def ref(self, group: int, ids: Ids) -> None:
         self.pools[group].ref(ids)
