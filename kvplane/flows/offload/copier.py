@@ -74,9 +74,11 @@ class LayerCopier:
             host_ids, device_ids
         )
 
-    def after_compute(self) -> Event:
-        """An event after the compute enqueued so far (a layer's KV is written once it completes)."""
-        return self.mark(self.backend.current_stream())
+    def after_compute(self) -> Event | None:
+        """An event after the compute enqueued so far (a layer's KV is written once it completes), or None when
+        the compute stream has nothing left to run (the cpu backend's, always): no event to make or wait for."""
+        stream = self.backend.current_stream()
+        return None if stream.query() else self.mark(stream)
 
     def save(self, plan: CopyPlan, after: Event | None) -> None:
         """Enqueue a D2H plan once ``after`` (from ``after_compute``) has completed."""
