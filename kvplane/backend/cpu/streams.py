@@ -87,9 +87,13 @@ class WorkerStream:
             return []
 
         def run() -> None:
+            lock, progress = self._lock, self._progress
             for i in range(parts):
                 step(bounds[i], bounds[i + 1])
-                self._advance(1)
+                with lock:  # _advance(1) inline: this runs once per layer
+                    self.completed += 1
+                    if self._waiting:
+                        progress.notify_all()
 
         first = self._enqueue(run, 0, reserve=parts)
         return [CpuEvent(self, first + i + 1) for i in range(parts)]

@@ -28,7 +28,7 @@ import numpy as np
 from kvplane.blocks.groups import Ids
 from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import PlanError
-from kvplane.flows.offload.keyed_pool import ready
+from kvplane.flows.offload.keyed_pool import INT64, ready
 
 SPARE_PLANS = 4  # plan arrays a PlanBuffers keeps for reuse: one per request in flight covers a step
 SPARE_BYTES = 64 << 20  # ... and never more bytes than this (a 1M-token plan is not kept)
@@ -81,13 +81,14 @@ class PlanBuffers:
 
     def give_back(self, plan: CopyPlan) -> None:
         base = plan.src.base
+        spare = self._spare
         if (
-            isinstance(base, np.ndarray) and base.ndim == 2 and base.shape[0] == 3 and base.dtype == np.int64
-            and plan.dst.base is base and plan.length.base is base and len(self._spare) < self._keep
-            and base.nbytes + sum(b.nbytes for b in self._spare) <= self._max_bytes
-            and not any(b is base for b in self._spare)
+            type(base) is np.ndarray and base.ndim == 2 and base.shape[0] == 3 and base.dtype is INT64
+            and plan.dst.base is base and plan.length.base is base and len(spare) < self._keep
+            and base.nbytes + sum([b.nbytes for b in spare]) <= self._max_bytes
+            and all([b is not base for b in spare])
         ):
-            self._spare.append(base)
+            spare.append(base)
 
 
 class LayerPlanner:
