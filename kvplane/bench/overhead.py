@@ -5,7 +5,9 @@ on a twin of the backend whose copy primitive does nothing: what is left is kvpl
 events, the copy stream's hand-offs). ``cpu_seconds`` is the process's CPU time per request, every thread
 included, measured after an untimed pause that lets the baseline's OpenMP threads stop spinning; the goal is
 under 1 ms. The baseline is the contiguous ``copy_`` of the request's bytes, so ``ratio`` says how many times
-the overhead fits into the copy it manages.
+the overhead fits into the copy it manages. Each row takes ``REPS`` (15) interleaved reps, not the bench's 5:
+a cold-cache figure under 1 ms moves by a third from one rep to the next on a shared machine, and the median of
+5 moved by 0.1-0.3 ms between runs; 10 more reps cost a few seconds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvplane.bench.timing import interleave
 from kvplane.kv.binding import LayoutChoice
 
 GOAL_CPU_S = 1e-3
+REPS = 15
 SETTLE_S = 0.03  # torch's OpenMP threads spin about 8 ms of CPU after the baseline's copy_: not kvplane's
 
 
@@ -59,7 +62,7 @@ def run_overhead(
     params = _params(backend, rig, model, direction, tokens)
     hashes = next(rig.prefixes)
     if direction == "store":
-        fresh = iter([next(rig.prefixes) for _ in range(16)])  # hashed before timing: not kvplane's cost
+        fresh = iter([next(rig.prefixes) for _ in range(REPS + 4)])  # hashed before timing: not kvplane's cost
         stored: list[list[int]] = [hashes]
 
         def ours() -> None:
@@ -79,7 +82,7 @@ def run_overhead(
             rig.flat_device.copy_(rig.flat_host)
 
     try:
-        samples = interleave(ours, raw, warmup=2, settle_s=SETTLE_S)
+        samples = interleave(ours, raw, REPS, warmup=2, settle_s=SETTLE_S)
         descriptors = rig.descriptors(stored[0], direction)
     finally:
         if direction == "load":  # load runs after store for each model: the buffers go before the next scenario

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvplane.flows.offload import keyed_pool
@@ -37,3 +38,17 @@ def test_a_list_shrunk_by_an_items_index_is_not_read_past_its_end() -> None:
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"from_list crashed (exit {done.returncode}): {done.stderr[-2000:]}"
     assert "refused:" in done.stdout, f"from_list accepted a list that changed under it: {done.stdout!r}"
+
+
+@pytest.mark.skipif(keyed_pool._native is None, reason="the keytable extension is not built")
+def test_every_int64_comes_back_exactly_and_one_past_either_end_is_refused() -> None:
+    from kvplane._native import _keytable as kt  # only where the extension is built
+
+    values = [0, 1, -1, (1 << 30) - 1, 1 << 30, -(1 << 30), (1 << 60) + 12345, -(1 << 62) - 7,
+              (1 << 63) - 1, -(1 << 63), True]
+    out = np.empty(len(values), dtype=np.int64)
+    kt.from_list(values, out)
+    assert out.tolist() == [int(v) for v in values]
+    for bad in (1 << 63, -(1 << 63) - 1, 1 << 64):
+        with pytest.raises(OverflowError):
+            kt.from_list([1, bad], np.empty(2, dtype=np.int64))

@@ -68,6 +68,7 @@ class WorkerStream:
         self._good = 0  # steps that ran before a task failed: events past them never complete
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
+        self._waiting = 0  # threads in wait_for: a step completed with none of them notifies nobody
         self._closed = False
 
     @property
@@ -86,9 +87,13 @@ class WorkerStream:
             return []
 
         def run() -> None:
+            lock, progress = self._lock, self._progress
             for i in range(parts):
                 step(bounds[i], bounds[i + 1])
-                self._advance(1)
+                with lock:  # _advance(1) inline: this runs once per layer
+                    self.completed += 1
+                    if self._waiting:
+                        progress.notify_all()
 
         first = self._enqueue(run, 0, reserve=parts)
         return [CpuEvent(self, first + i + 1) for i in range(parts)]
@@ -118,7 +123,11 @@ class WorkerStream:
                         f"cpu stream: {ticket - self.completed} step(s) still pending after {timeout} s; "
                         f"a task on it is stuck"
                     )
-                self._progress.wait(min(POLL_S, left))
+                self._waiting += 1
+                try:
+                    self._progress.wait(min(POLL_S, left))
+                finally:
+                    self._waiting -= 1
         self.raise_if_failed()
 
     def close(self) -> None:
@@ -147,9 +156,10 @@ class WorkerStream:
         return before
 
     def _advance(self, steps: int) -> None:
-        with self._progress:
+        with self._lock:  # a step per layer: Condition.notify_all costs a few calls even with no one waiting
             self.completed += steps
-            self._progress.notify_all()
+            if self._waiting:
+                self._progress.notify_all()
 
     def _run(self, task: Callable[[], None], steps: int) -> None:
         """On the worker: run ``task`` unless the stream failed before, then complete what it did not."""

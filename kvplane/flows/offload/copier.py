@@ -36,6 +36,14 @@ class LayerCopier:
         self._load_planners: dict[tuple[str, ...], LayerPlanner] = {}
         self._buffers = PlanBuffers()
 
+    def save_planner(self, layers: Sequence[str]) -> LayerPlanner:
+        """The planner of ``save_parts`` for ``layers``, for a caller that keeps it (no lookup per request)."""
+        return self._planner(self._save_planners, layers, self.device_regions, self.host_regions)
+
+    def load_planner(self, layers: Sequence[str]) -> LayerPlanner:
+        """The planner of ``load_parts`` for ``layers`` (call its ``sliced_parts(host_ids, device_ids)``)."""
+        return self._planner(self._load_planners, layers, self.host_regions, self.device_regions)
+
     def save_parts(self, layers: Sequence[str], device_ids: Ids, host_ids: Ids) -> tuple[CopyPlan, list[int]]:
         """D2H of ``layers`` (one KV-cache group) as one plan and each layer's bounds in it."""
         return self._planner(self._save_planners, layers, self.device_regions, self.host_regions).parts(
@@ -66,9 +74,11 @@ class LayerCopier:
             host_ids, device_ids
         )
 
-    def after_compute(self) -> Event:
-        """An event after the compute enqueued so far (a layer's KV is written once it completes)."""
-        return self.mark(self.backend.current_stream())
+    def after_compute(self) -> Event | None:
+        """An event after the compute enqueued so far (a layer's KV is written once it completes), or None when
+        the compute stream has nothing left to run (the cpu backend's, always): no event to make or wait for."""
+        stream = self.backend.current_stream()
+        return None if stream.query() else self.mark(stream)
 
     def save(self, plan: CopyPlan, after: Event | None) -> None:
         """Enqueue a D2H plan once ``after`` (from ``after_compute``) has completed."""

@@ -75,6 +75,9 @@ class OffloadEngine:
         self._layer_pos = {n: (g, i) for g, names in self._group_layers.items() for i, n in enumerate(names)}
         self._group_layer_set = {g: frozenset(names) for g, names in self._group_layers.items()}
         self._tokens_per_block = {g.group_id: g.tokens_per_block for g in spec.groups}
+        # each group's planners, looked up once here rather than by its 61 layer names in every request
+        self._save_planner = {g: self.copier.save_planner(names) for g, names in self._group_layers.items()}
+        self._load_planner = {g: self.copier.load_planner(names) for g, names in self._group_layers.items()}
         self.fingerprint = fingerprint(spec, regions, tp_rank, tp_size)
         self.store: StoreLink | None = None
         if store_tier is None and config.store is not None:
@@ -152,11 +155,15 @@ class OffloadEngine:
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
                 groups[g] = GroupBlocks(device_ids[: len(ids)], ids, new[: len(ids)])
-        layers = set().union(*(self._group_layer_set[g] for g in groups))
+        if len(groups) == 1:
+            layers = set(self._group_layer_set[next(iter(groups))])
+        else:
+            layers = set().union(*(self._group_layer_set[g] for g in groups))
         job = StoreJob(request_id, groups, layers)
         for g, blocks in groups.items():
-            job.plans[g] = self.copier.save_parts(self._group_layers[g], blocks.device_ids, blocks.host_ids)
-            if self.copier.save_merged(self._group_layers[g]):
+            planner = self._save_planner[g]
+            job.plans[g] = planner.parts(blocks.device_ids, blocks.host_ids)
+            if planner.merged:
                 job.merged_left[g] = len(self._group_layers[g])
         if layers:
             self._open[request_id] = job
@@ -237,14 +244,14 @@ class OffloadEngine:
         """``start_load`` for several requests at once: one copy per layer covers all of them."""
         jobs = [self._prepare_load(rid, hashes, ids) for rid, hashes, ids in requests]
         by_group: dict[int, tuple[CopyPlan, list[int]]] = {}
-        for g, layers in self._group_layers.items():
+        for g in self._group_layers:
             parts = [j.groups[g] for j in jobs if g in j.groups]
             if len(parts) == 1:  # one request (the usual step): its ids as they are
-                by_group[g] = self.copier.load_parts(layers, parts[0].host_ids, parts[0].device_ids)
+                by_group[g] = self._load_planner[g].sliced_parts(parts[0].host_ids, parts[0].device_ids)
             elif parts:
                 host_ids = np.concatenate([p.host_ids for p in parts])
                 device_ids = np.concatenate([p.device_ids for p in parts])
-                by_group[g] = self.copier.load_parts(layers, host_ids, device_ids)
+                by_group[g] = self._load_planner[g].sliced_parts(host_ids, device_ids)
         if len(by_group) == 1:  # one group: its layers are in model order already, its plan goes as it is
             ((g, (plan, bounds)),) = by_group.items()
             names = self._group_layers[g]

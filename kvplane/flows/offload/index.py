@@ -2,9 +2,10 @@
 
 A host block is free, referenced (being stored, loaded, or written to the store: never evicted), or cached
 (keyed by its prefix hash, evictable least recently used first). ``lookup`` only reads. ``allocate`` hands
-out at most what is free or evictable, never raising for a full pool: a cache stores what fits. Before it
-evicts, it shows the victims to ``before_evict`` (the store tier writes them back, and may pin some while
-that write is in flight). Pure bookkeeping: no memory, no device; every call is array work over the request's
+out at most what is free or evictable, never raising for a full pool: a cache stores what fits. Every block
+it evicts was shown to ``before_evict`` first (the store tier writes them back, and keeps referenced those
+whose write is still in flight; the allocation then shows the next oldest, never evicting one unseen).
+Pure bookkeeping: no memory, no device; every call is array work over the request's
 blocks (``KeyedPool``: ``BlockPool`` with its prefix keys in an int64 table), with no Python statement per
 block. Hashes may come as a list or an int64 array; the engine converts a request's list once and passes the
 array on.
@@ -21,7 +22,7 @@ from kvplane.blocks.groups import Ids
 from kvplane.errors import BlockError
 from kvplane.flows.offload.keyed_pool import KeyedPool
 
-EvictHook = Callable[[int, list[int], list[int]], None]  # (group, victim block ids, their prefix hashes)
+EvictHook = Callable[[int, Ids, Ids], None]  # (group, victim block ids, their prefix hashes), int64 arrays
 
 
 class HostIndex:
@@ -58,13 +59,26 @@ class HostIndex:
         return ids
 
     def allocate(self, group: int, n: int, before_evict: EvictHook | None = None) -> Ids:
-        """Up to ``n`` blocks with refcount 1: unused ones first, then the least recently used cached ones."""
+        """Up to ``n`` blocks with refcount 1: unused ones first, then the least recently used cached ones.
+
+        ``before_evict`` sees every victim before it goes, each once. It may reference some (a write-back in
+        flight): those stay cached, and the blocks that take their place are shown to it in turn, one array
+        call per round (one round; another after each round whose hook left a write-back in flight)."""
         pool = self.pools[group]
-        to_evict = max(0, min(n, pool.num_free) - pool.num_unused)
-        if to_evict and before_evict is not None:
-            victims = pool.oldest_cached(to_evict)
-            before_evict(group, victims, [int(h or 0) for h in pool.hashes_of(victims)])
-        return pool.allocate_array(min(n, pool.num_free))
+        shown: Ids | None = None
+        while before_evict is not None:
+            free, unused = pool.counts()
+            to_evict = min(n, free) - unused
+            if to_evict <= 0:
+                break
+            victims = pool.oldest_array(to_evict)
+            if shown is not None:  # still evictable from an earlier round: shown already
+                victims = victims[~np.isin(victims, shown)]
+            if not victims.size:
+                break
+            before_evict(group, victims, pool.keys_of(victims))
+            shown = victims if shown is None else np.concatenate((shown, victims))
+        return pool.allocate_upto(n)
 
     def ref(self, group: int, ids: Ids) -> None:
         self.pools[group].ref(ids)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
@@ -38,9 +38,19 @@ except ImportError:
 
 
 _RANGE, _OVER, _FREE = 1, 2, 3  # error kinds the native calls return with the block (or index) at fault
+# int64's dtype (a singleton): ``arr.dtype is INT64`` is one pointer test, where ``arr.dtype == np.int64`` first
+# converts the type into a dtype; with the caches cold at the start of a request every such detour costs
+INT64 = np.dtype(np.int64)
+
+
+def ready(arr: object) -> TypeGuard[I64]:
+    """Whether ``arr`` is already what the native calls take: a 1-D contiguous int64 array (no conversion)."""
+    return type(arr) is np.ndarray and arr.dtype is INT64 and arr.ndim == 1 and arr.flags.c_contiguous
 
 
 def _as_ids(block_ids: Iterable[int]) -> I64:
+    if ready(block_ids):
+        return block_ids
     ids = block_ids if isinstance(block_ids, np.ndarray) else np.fromiter(block_ids, dtype=np.int64)
     return np.ascontiguousarray(ids, dtype=np.int64).ravel()
 
@@ -54,6 +64,8 @@ def _integers(arr: npt.NDArray[Any]) -> bool:
 
 def as_hashes(hashes: Sequence[int] | I64) -> I64:
     """Hashes as an int64 array (a list is converted once; an array of another integer type is cast)."""
+    if ready(hashes):
+        return hashes
     if isinstance(hashes, np.ndarray) and _integers(hashes):
         return hashes.astype(np.int64, copy=False).ravel()
     try:
@@ -158,6 +170,22 @@ class KeyedPool(BlockPool):
         self._pool.allocate(*self._state, out)
         return out
 
+    def counts(self) -> tuple[int, int]:
+        """``(num_free, num_unused)`` in one read of the native counters (no numpy scalar per property)."""
+        if self._pool is None:
+            return super().num_free, super().num_unused
+        head, tail, _, _, live = self._meta.tolist()
+        return tail - head + live, tail - head
+
+    def allocate_upto(self, n: int) -> I64:
+        """``allocate_array`` of as many of ``n`` blocks as are free or evictable."""
+        if self._pool is None or n < 0:
+            return super().allocate_array(min(n, self.num_free))
+        free, _ = self.counts()
+        out = np.empty(min(n, free), dtype=np.int64)
+        self._pool.allocate(*self._state, out)
+        return out
+
     def ref(self, block_ids: Iterable[int]) -> None:
         if self._pool is None:
             return super().ref(block_ids)
@@ -188,6 +216,10 @@ class KeyedPool(BlockPool):
         out = np.empty(max(n, 0), dtype=np.int64)
         _, got = self._pool.oldest(*self._state, out)
         return out[:got]
+
+    def oldest_array(self, n: int) -> I64:
+        """``oldest_cached`` as an int64 array: the ``n`` blocks an allocation would evict first."""
+        return self._oldest(n)
 
     def evict(self, block_id: int) -> None:
         if self._pool is None:
@@ -223,7 +255,9 @@ class KeyedPool(BlockPool):
     def find(self, hashes: Sequence[int] | I64) -> tuple[I64, int, int]:
         """``blocks_of``, with how many hashes are keyed and the index of the first that is not (or the
         count): the engine's branches without another pass over the result."""
-        h = np.ascontiguousarray(as_hashes(hashes))
+        h = as_hashes(hashes)
+        if not h.flags.c_contiguous:
+            h = np.ascontiguousarray(h)
         out = np.empty(h.size, dtype=np.int64)
         hits, first_miss = self._table.get(self._keys, self._vals, h, out)
         return out, hits, first_miss

@@ -53,13 +53,13 @@ class StoreLink:
         nbytes = sum(sizes)
         self._writes.append(StoreWrite(future, self.tier.put_deadline(nbytes), group, ids, nbytes))
 
-    def before_evict(self, group: int, victims: list[int], hashes: list[int]) -> None:
+    def before_evict(self, group: int, victims: Ids, hashes: Ids) -> None:
         """Write back cached blocks the host tier is about to evict (write-through already put them)."""
-        if self.write_through or not victims:
+        if self.write_through or not len(victims):
             return
         ids = np.asarray(victims, dtype=np.int64)
         addrs, sizes = self.addrs(group, ids)
-        future = self.tier.put(self.keys(group, hashes), addrs, sizes)
+        future = self.tier.put(self.keys(group, np.asarray(hashes).tolist()), addrs, sizes)
         if future is None:
             return
         write = StoreWrite(future, self.tier.put_deadline(sum(sizes)), group, ids, sum(sizes))
