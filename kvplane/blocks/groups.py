@@ -2,6 +2,9 @@
 
 An engine with one KV-cache group may pass one sequence; a hybrid model passes ``{group_id: ids}``. Flows
 normalise both to ``{group: int64 array}`` here, with an error of the caller's type naming what was wrong.
+
+A position may be a ``HOLE``: the request holds no block there (a sliding-window group's positions that fell out
+of the window, which vLLM fills with its null block). Nothing moves for a hole's tokens, on either side.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import numpy as np
 from kvplane.descriptors import Int64Array as Ids  # the one definition of an int64 id array
 from kvplane.errors import BlockError
 
-__all__ = ["Ids", "PerGroup", "per_group"]
+__all__ = ["HOLE", "Ids", "PerGroup", "per_group", "table_problem"]
 
 PerGroup = Sequence[int] | Ids | Mapping[int, Sequence[int] | Ids]
+HOLE = -1  # a block-table position without a block: nothing moves for its tokens
 
 
 def per_group(
@@ -33,3 +37,16 @@ def per_group(
     if len(group_ids) != 1:
         raise error(f"{what} is one sequence but the model has KV-cache groups {list(group_ids)}; pass {{group_id: ...}}")
     return {group_ids[0]: ready if ready is not None else np.asarray(value, dtype=np.int64).ravel()}
+
+
+def table_problem(ids: Ids, pool: int, *, distinct: bool) -> str:
+    """Why one group's block ids cannot be right for a cache of ``pool`` blocks, "" when they can: an id outside
+    ``0..pool-1`` other than a ``HOLE``, or, where ``distinct`` (destinations), one id twice."""
+    real = ids[ids != HOLE]
+    if real.size and (int(real.min()) < 0 or int(real.max()) >= pool):
+        return (f"block ids must lie in 0..{pool - 1} (the cache's blocks) or be {HOLE} (no block at that "
+                f"position), got {int(real.min())}..{int(real.max())}")
+    if distinct and np.unique(real).size != real.size:
+        return (f"a destination block id appears twice; each block receives one block of KV, pass distinct ids "
+                f"({HOLE} for a position without a block)")
+    return ""

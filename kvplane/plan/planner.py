@@ -25,6 +25,7 @@ from types import ModuleType
 import numpy as np
 import numpy.typing as npt
 
+from kvplane.blocks.groups import HOLE
 from kvplane.descriptors import CopyPlan, Region
 from kvplane.descriptors import Int64Array as I64
 from kvplane.errors import PlanError, SpecError
@@ -311,6 +312,12 @@ def plan_transfer(
             continue
         n_src = -(-num_tokens[st.group] // st.s_regions[0].tokens_per_block)
         src_ids = np.asarray(src_block_ids[st.group], dtype=np.int64)[:n_src]
+        if (src_ids == HOLE).any() or (np.asarray(dst_block_ids[st.group]) == HOLE).any():
+            raise PlanError(
+                f"layer {st.name!r} must be staged (layouts or TP head slices differ between the sides) and group "
+                f"{st.group}'s block ids have holes ({HOLE}: positions out of a sliding window); staged re-layout "
+                f"moves whole requests only: give both sides the same layout and TP size for this model"
+            )
         sources = []
         for s in st.s_regions:
             start = staging_used

@@ -1,8 +1,9 @@
 """Token chunks: how the tokens of one request map onto blocks of two different block sizes.
 
 Both sides cut the request into chunks of ``gcd(src_block, dst_block)`` tokens; chunk ``c`` sits at a known
-block and token offset on each side, and is contiguous in a token-major block on both. Everything here is
-numpy arrays, one entry per chunk.
+block and token offset on each side, and is contiguous in a token-major block on both. A chunk in a ``HOLE`` on
+either side (a position without a block, as out of a sliding window) is left out: nothing moves for it. Everything
+here is numpy arrays, one entry per chunk.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvplane.blocks.groups import HOLE
 from kvplane.descriptors import Int64Array as I64
 from kvplane.errors import PlanError
 
@@ -39,11 +41,15 @@ def token_chunks(num_tokens: int, src_ids: I64, src_block: int, dst_ids: I64, ds
     g = math.gcd(src_block, dst_block)
     count = -(-num_tokens // g)
     first = np.arange(count, dtype=np.int64) * g
+    src, dst = src_ids[first // src_block], dst_ids[first // dst_block]
+    if (src == HOLE).any() or (dst == HOLE).any():
+        keep = (src != HOLE) & (dst != HOLE)
+        first, src, dst, count = first[keep], src[keep], dst[keep], int(keep.sum())
     return Chunks(
         tokens=g,
         count=count,
-        src_block=src_ids[first // src_block],
+        src_block=src,
         src_token=first % src_block,
-        dst_block=dst_ids[first // dst_block],
+        dst_block=dst,
         dst_token=first % dst_block,
     )

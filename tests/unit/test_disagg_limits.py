@@ -65,7 +65,7 @@ def base(**over: object) -> dict[str, object]:
     ({"tp_size": 0}, "tp_size=0"),
     ({"kvplane_mode": "fax"}, "kvplane_mode"),
     ({"kvplane_token": "short"}, "kvplane_token"),
-    ({"remote_block_ids": [[1, -2]]}, "negative"),
+    ({"remote_block_ids": [[1, -2]]}, "holds block id -2"),
     ({"remote_request_id": ""}, "remote_request_id"),
 ])
 def test_transfer_params_check_their_fields_in_the_constructor_as_from_dict_does(over: dict[str, object],

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvplane.backend.base import Backend
-from kvplane.blocks.groups import Ids, PerGroup, per_group
+from kvplane.blocks.groups import Ids, PerGroup, per_group, table_problem
 from kvplane.descriptors import Region, SlotPart
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.config import DisaggConfig
@@ -93,17 +93,9 @@ class LocalKV:
         if num_tokens < 1:
             raise DisaggError(f"request {request_id!r}: num_tokens={num_tokens} must be >= 1")
         for g, group_ids in ids.items():
-            pool = self.pool_size(g)
-            if len(group_ids) and (int(group_ids.min()) < 0 or int(group_ids.max()) >= pool):
-                raise DisaggError(
-                    f"request {request_id!r} group {g}: block ids must lie in 0..{pool - 1} (the cache's blocks), "
-                    f"got {int(group_ids.min())}..{int(group_ids.max())}"
-                )
-            if distinct and len(set(group_ids.tolist())) != len(group_ids):
-                raise DisaggError(
-                    f"request {request_id!r} group {g}: a destination block id appears twice; each block "
-                    f"receives one block of KV, pass distinct ids"
-                )
+            problem = table_problem(group_ids, self.pool_size(g), distinct=distinct)
+            if problem:
+                raise DisaggError(f"request {request_id!r} group {g}: {problem}")
             per_block = self.spec.group(g).tokens_per_block
             need = -(-num_tokens // per_block)
             if len(group_ids) < need:

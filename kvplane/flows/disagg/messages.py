@@ -25,6 +25,7 @@ from typing import Annotated, cast
 import msgspec
 from msgspec import Meta
 
+from kvplane.blocks.groups import HOLE
 from kvplane.flows.disagg.errors import ProtocolError
 
 MAX_NAME = 512  # characters of an engine id, request id, boot id or reason
@@ -40,7 +41,7 @@ RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
 Token = Annotated[str, Meta(max_length=MAX_TOKEN)]
 Rank = Annotated[int, Meta(ge=0, lt=MAX_RANK)]
 TpSize = Annotated[int, Meta(ge=1, le=MAX_RANK)]
-BlockId = Annotated[int, Meta(ge=0, lt=MAX_BLOCK_ID)]
+BlockId = Annotated[int, Meta(ge=HOLE, lt=MAX_BLOCK_ID)]  # HOLE: a position without a block
 GroupId = Annotated[int, Meta(ge=0, lt=1 << 16)]
 BlockIds = Annotated[dict[GroupId, Annotated[list[BlockId], Meta(max_length=MAX_BLOCKS)]],
                      Meta(max_length=MAX_GROUPS)]  # KV-cache group -> block ids

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from kvplane.blocks.groups import HOLE
 from kvplane.flows.disagg.config import MODES, DisaggConfig, Mode
 from kvplane.flows.disagg.errors import TransferParamsError
 from kvplane.flows.disagg.tokens import is_token, new_token
@@ -63,8 +64,10 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
                 f"with kvplane.flows.disagg.tokens.new_token() (or TransferParams.for_push)"
             )
         for g, ids in enumerate(self.remote_block_ids):
-            if any(b < 0 for b in ids):
-                raise TransferParamsError(f"kv_transfer_params.remote_block_ids[{g}] holds a negative block id")
+            if ids and min(ids) < HOLE:
+                raise TransferParamsError(
+                    f"kv_transfer_params.remote_block_ids[{g}] holds block id {min(ids)}; ids are >= 0, or {HOLE} "
+                    f"for a position without a block; forward what the prefill instance returned")
 
     @classmethod
     def from_prefill(cls, config: DisaggConfig, request_id: str, block_ids: Sequence[Sequence[int]], *,

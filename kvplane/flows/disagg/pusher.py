@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvplane.blocks.groups import Ids
+from kvplane.blocks.groups import Ids, table_problem
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.local import LocalKV
@@ -83,8 +83,7 @@ def check_destination(peer: PeerRecord, reg: PushRegister) -> str:
     for g, ids in reg.block_ids.items():
         pool = min((r.num_blocks for layer in peer.manifest.spec.layers if layer.group_id == g
                     for r in peer.manifest.regions_of(layer.name)), default=0)
-        if len(ids) > pool or any(b >= pool for b in ids):
-            return f"group {g}: block ids beyond the decode's {pool} blocks"
-        if len(set(ids)) != len(ids):
-            return f"group {g}: a destination block id appears twice"
+        problem = table_problem(np.asarray(ids, dtype=np.int64), pool, distinct=True)
+        if problem:
+            return f"group {g} of the decode's {pool} blocks: {problem}"
     return ""

@@ -17,6 +17,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from kvplane.blocks.groups import HOLE
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.tokens import new_token
@@ -104,7 +107,9 @@ class SchedulerSide:
         return {g: list(v) for g, v in enumerate(block_ids)}
 
     def _blocks_for(self, ids: Groups, num_tokens: int) -> Groups:
-        return {g: v[: -(-num_tokens // self.block_sizes[g])] for g, v in ids.items()}
+        """The blocks that hold a P/D request's ``num_tokens`` tokens, vLLM's null block as a ``HOLE`` (a sliding-
+        window group's positions out of the window: nothing moves for them, on either side)."""
+        return {g: _null_as_hole(v[: -(-num_tokens // self.block_sizes[g])]) for g, v in ids.items()}
 
     # -- vLLM scheduler calls -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -318,6 +323,11 @@ class SchedulerSide:
     def shutdown(self) -> None:
         if self.lookup is not None:
             self.lookup.close()
+
+
+def _null_as_hole(ids: list[int]) -> list[int]:
+    table = np.asarray(ids, dtype=np.int64)
+    return np.where(table == NULL_BLOCK, HOLE, table).tolist()  # type: ignore[no-any-return]
 
 
 def _real_blocks(request_id: str, hashes: Groups, block_ids: Groups) -> BlockJob:
