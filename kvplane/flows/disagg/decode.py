@@ -11,6 +11,8 @@ Who calls what (the engine's thread; the vLLM connector wraps these):
   out where needed: the blocks may be read), ``failed`` or ``timed_out`` (``failed_block_ids`` lists the
   blocks to recompute or give up on). Until then kvplane may still write the blocks: do not free them.
 - ``abort(request_id)``: stop; the request is reported once no transfer can write its blocks any more.
+- ``decline(params)``: the engine will never receive a request it did not start (its client went away first):
+  the prefill ranks named in ``params`` are told, so they free its blocks now rather than at their lease's end.
 - ``pending_requests()``, ``draining_requests()``: requests not yet reported, and those of them that have a
   verdict but wait for the fence.
 
@@ -61,10 +63,12 @@ from kvplane.flows.disagg.decode_actions import (
 from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase, RankView
 from kvplane.flows.disagg.decode_start import Starter
 from kvplane.flows.disagg.errors import DisaggError, RelayoutError
+from kvplane.flows.disagg.limits import MAX_DECLINES
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
     MAX_HEARTBEAT_IDS,
+    Cancel,
     Handshake,
     Heartbeat,
     Message,
@@ -165,6 +169,18 @@ class DecodeSide(SideLifecycle):
 
     def abort(self, request_id: str) -> None:
         self._loop.submit(lambda: self._on_abort(request_id))
+
+    def decline(self, params: TransferParams | Mapping[str, Any]) -> None:
+        """Tell the prefill ranks named in ``params`` that this rank will never receive the request (it was not
+        started here: ``abort`` ends one that was), so they free its blocks now. Nothing is reported for it; a
+        prefill rank out of reach frees them when its lease or push timeout ends."""
+        p = params if isinstance(params, TransferParams) else TransferParams.from_dict(params)
+        if not p.kvplane_token:
+            raise DisaggError(
+                f"prefill request {p.remote_request_id!r}: kv_transfer_params.kvplane_token is empty, so no prefill "
+                f"rank would take the decline; forward what the prefill (or proxy) returned"
+            )
+        self._loop.submit(lambda: self._decline(p))
 
     def get_finished(self, timeout_s: float = 10.0) -> list[Completion]:
         """Requests that ended since the last call: ``done`` ones may be read, the rest recomputed or failed.
@@ -292,6 +308,15 @@ class DecodeSide(SideLifecycle):
                                                     isinstance(error, TransferTimeout),
                                                     local=isinstance(error, RelayoutError)))
 
+    def _decline(self, p: TransferParams) -> None:
+        cancel = Cancel(p.remote_request_id, self.config.engine_id, self.config.rank, p.kvplane_token)
+        for rank in range(p.tp_size):
+            conn = self._conn(p.remote_host, p.remote_port + rank, rank, p.remote_boot_id)
+            if conn.state == "ready":
+                channel.send(conn.socket, cancel, self.counters)
+            elif len(conn.declines) < MAX_DECLINES:  # sent once it is ready (a failed handshake drops them)
+                conn.declines.append(cancel)
+
     def _on_abort(self, request_id: str) -> None:
         want = self._wants.get(request_id)
         if want is not None:
@@ -403,13 +428,16 @@ class DecodeSide(SideLifecycle):
             self._conn_failed(conn, "too many transports being connected at once")
 
     def _conn_ready(self, conn: Conn) -> None:
+        declines, conn.declines = conn.declines, []
+        for cancel in declines:
+            channel.send(conn.socket, cancel, self.counters)
         for rid in list(conn.waiting):
             want = self._wants.get(rid)
             if want is not None:
                 self._connections(want)
 
     def _conn_failed(self, conn: Conn, reason: str) -> None:
-        conn.state, conn.error, conn.deferred = "failed", reason, False
+        conn.state, conn.error, conn.deferred, conn.declines = "failed", reason, False, []
         logger.warning("decode rank %d: prefill rank at %s:%d: %s", self.config.rank, conn.host, conn.port, reason)
         for rid in list(conn.waiting):
             want = self._wants.get(rid)

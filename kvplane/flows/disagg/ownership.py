@@ -64,13 +64,13 @@ def may_register(held: Held, engine_id: str, token: str) -> bool:
 
 
 def decline(held: Held, key: Key, token: str) -> bool:
-    """A decode rank gave the push up before registering it (it could not plan it); False when that does not
-    count (the sender is told)."""
+    """A decode rank gave the request up before receiving it (it could not plan a push, or it declined a request
+    its engine dropped unscheduled); False when that does not count (the sender is told)."""
     if not held.known:
         held.early_declines[key] = token
         return True
     if not owned(held, key[0], token):
         return False
-    held.declined = held.declined or (f"decode {key[0]!r} rank {key[1]} could not plan the push and gave it up "
-                                      f"(its log says why)")
+    held.declined = held.declined or (f"decode {key[0]!r} rank {key[1]} gave the request up before receiving it "
+                                      f"(it could not plan it, or its engine dropped it unscheduled; its log says)")
     return True

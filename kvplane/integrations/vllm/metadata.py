@@ -59,6 +59,7 @@ class KVPlaneMetadata(KVConnectorMetadata):
     layerwise: list[Send] = field(default_factory=list)  # before this step's forward: pushed layer by layer
     sends: list[Send] = field(default_factory=list)  # finished: the blocks are the connector's until reported
     aborts: list[str] = field(default_factory=list)
+    declines: list[dict[str, Any]] = field(default_factory=list)  # receives vLLM dropped unstarted: their params
     released: list[str] = field(default_factory=list)  # lookups whose promised blocks will not be loaded
 
 

@@ -257,6 +257,10 @@ class SchedulerSide:
             self._meta.aborts.append(rid)
             return True, None
         params = request.kv_transfer_params or {}
+        if self.config.is_decode and params.get("do_remote_prefill") and params.get("remote_engine_id"):
+            params["do_remote_prefill"] = False  # never allocated, so never received: the prefill frees it now
+            self._meta.declines.append(dict(params))
+            return False, None
         if not (self.config.is_prefill and params.get("do_remote_decode")):
             return False, None
         if getattr(request.status, "name", str(request.status)) not in NORMAL_FINISH:

@@ -198,6 +198,8 @@ class WorkerSide:
         self._start_saves(meta)  # after the loads: a store must not take host blocks a load of this step reads
         for receive in meta.receives:
             self._receive(receive)
+        for params in meta.declines:
+            self._decline(params)
         if self.prefill is not None:
             for send in meta.sends:
                 self.prefill.request_finished(self._transfer_id(send), send.block_ids, send.num_tokens,
@@ -262,6 +264,16 @@ class WorkerSide:
             logger.warning("kvplane: request %s cannot receive KV: %s", r.request_id, e)
             failed = {g: tuple(ids) for g, ids in r.block_ids.items()}
             self._failed_receives.append(Completion(r.request_id, "failed", failed, str(e)))
+
+    def _decline(self, params: dict[str, Any]) -> None:
+        """A receive vLLM dropped before starting it (the client went away): the prefill frees its blocks now."""
+        if self.decode is None:
+            return
+        try:
+            self.decode.decline(params)
+        except KvplaneError as e:  # params that name no request: the prefill frees it at its lease's end
+            logger.warning("kvplane: could not decline the receive of prefill request %r: %s",
+                           params.get("remote_request_id"), e)
 
     def _abort(self, rid: str) -> None:
         if self.offload is not None:
