@@ -119,8 +119,9 @@ class SchedulerSide:
             return 0, False
         hashes = {g: self._hashes(request, g)[: limit // bs] for g, bs in self.block_sizes.items()}
         answer = self.lookup.hold(request.request_id, hashes, self.block_sizes)
-        if answer > 0:
+        if answer is None or answer > 0:  # unanswered: a miss, but the worker may have held blocks before the deadline
             self._held.add(request.request_id)  # the worker holds the blocks until load, release or a new lookup
+        answer = answer or 0
         hit = min(answer, limit) // self.step_tokens * self.step_tokens
         self._matched[request.request_id] = num_computed_tokens
         # several KV-cache groups: vLLM takes a failed load only by request, and only while it waits for it
