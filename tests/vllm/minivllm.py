@@ -345,7 +345,12 @@ class MiniEngine:
         self.scheduler.on_new_request(req)
         out = Outcome(request_id)
         ext, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
-        ext = ext or 0
+        end = time.monotonic() + within_s
+        while ext is None:  # vLLM skips the request this step and asks again in the next one
+            if time.monotonic() > end:
+                raise AssertionError(f"{request_id}: get_num_new_matched_tokens said 'not yet' for {within_s} s")
+            time.sleep(0.001)
+            ext, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
         ids = self._allocate(len(prompt) + max_tokens)
         out.block_ids = ids
         self.scheduler.update_state_after_alloc(req, KVCacheBlocks(tuple([KVCacheBlock(i) for i in g] for g in ids)),

@@ -1,8 +1,8 @@
 """The scheduler-side half of the connector: decides what each step loads, stores, receives and sends.
 
 Called by vLLM's scheduler, in this order per request: ``get_num_new_matched_tokens`` (a lookup in the
-worker's host tier, whose answer the worker holds for the request until it loads, ends or asks again: see
-``holds.py``; or the token count a remote prefill holds), ``update_state_after_alloc``
+worker's host tier, "not yet" until its answer came, which the worker holds for the request until it loads,
+ends or asks again: see ``lookup.py`` and ``holds.py``; or the token count a remote prefill holds), ``update_state_after_alloc``
 (records the blocks), ``build_connector_meta`` once per step (hands the step's work to the workers),
 ``update_connector_output`` (what the workers finished), ``request_finished_all_groups`` (returns
 ``kv_transfer_params`` and keeps a prefill's blocks until the workers report them). No vLLM import here:
@@ -115,13 +115,16 @@ class SchedulerSide:
             return 0, False
         # never the whole prompt: the last token is computed here to produce the first output
         limit = (request.num_prompt_tokens - 1) // self.step_tokens * self.step_tokens
-        if limit <= num_computed_tokens:
-            return 0, False
-        hashes = {g: self._hashes(request, g)[: limit // bs] for g, bs in self.block_sizes.items()}
-        answer = self.lookup.hold(request.request_id, hashes, self.block_sizes)
-        if answer is None or answer > 0:  # unanswered: a miss, but the worker may have held blocks before the deadline
+        if not self.lookup.asked(request.request_id):
+            if limit <= num_computed_tokens:
+                return 0, False
+            hashes = {g: self._hashes(request, g)[: limit // bs] for g, bs in self.block_sizes.items()}
+            self.lookup.ask(request.request_id, hashes, self.block_sizes)
+        answer = self.lookup.answer(request.request_id)
+        if answer is None:
+            return None, False  # not answered yet: vLLM asks again next step, the scheduler never waits
+        if answer > 0:
             self._held.add(request.request_id)  # the worker holds the blocks until load, release or a new lookup
-        answer = answer or 0
         hit = min(answer, limit) // self.step_tokens * self.step_tokens
         self._matched[request.request_id] = num_computed_tokens
         # several KV-cache groups: vLLM takes a failed load only by request, and only while it waits for it
@@ -163,6 +166,8 @@ class SchedulerSide:
                 self._receiving.add(rid)  # ends, fails and aborts like a receive
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlaneMetadata:
+        if self.lookup is not None:  # ended requests whose lookup may have held blocks, once no hold can follow
+            self._meta.released.extend(self.lookup.releasable())
         for req in scheduler_output.scheduled_new_reqs:
             self._block_ids[req.req_id] = {g: list(v) for g, v in enumerate(req.block_ids)}
             self._stored.pop(req.req_id, None)
@@ -245,6 +250,8 @@ class SchedulerSide:
         if rid in self._held:
             self._held.discard(rid)
             self._meta.released.append(rid)
+        if self.lookup is not None:
+            self.lookup.abandon(rid)
         started = rid in self._layerwise_started
         self._layerwise_started.discard(rid)
         if rid in self._receiving:  # the KV is still arriving: free once nothing can write the blocks
@@ -300,6 +307,7 @@ class SchedulerSide:
             "scheduler.layerwise_started": set(self._layerwise_started), "scheduler.held": set(self._held),
             "scheduler.receiving": set(self._receiving), "scheduler.aborting": set(self._aborting),
             "scheduler.sending": set(self._sending),
+            "scheduler.lookups": self.lookup.pending() if self.lookup is not None else set(),
         }
 
     def hit_source(self, request: Any) -> str:
