@@ -2,9 +2,11 @@
 
 ``MiniEngine`` builds both connectors through ``KVConnectorFactory`` from a ``KVTransferConfig`` naming
 ``kv_connector_module_path="kvplane.integrations.vllm"``, then plays the scheduler (``Request`` with vLLM's
-block hasher, ``KVCacheBlocks``, ``SchedulerOutput``, ``KVConnectorOutput``) and the model runner
-(``bind_connector_metadata``, ``start_load_kv``, per layer ``wait_for_layer_load`` -> write KV ->
-``save_kv_layer``, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``). The "model" writes
+block hasher, ``KVCacheBlocks``, ``SchedulerOutput``, ``KVConnectorOutput``) and the model runner in the
+installed vLLM's order (``step``: ``bind_connector_metadata``, ``start_load_kv`` before the forward, or after it
+on 0.33 unless the step loads synchronously, per layer ``wait_for_layer_load`` -> write KV -> ``save_kv_layer``,
+``wait_for_save``, ``get_finished`` or 0.33's ``get_transfer_results``, ``get_block_ids_with_load_errors``,
+``build_connector_worker_meta``). The "model" writes
 a deterministic function of (token, position, layer) into the paged cache, so any two instances that computed
 or received the same tokens hold the same bytes: ``digest`` compares them by token position.
 
