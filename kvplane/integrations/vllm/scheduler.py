@@ -19,7 +19,7 @@ from typing import Any
 
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.params import TransferParams
-from kvplane.flows.disagg.tokens import new_token
+from kvplane.flows.disagg.tokens import is_token, new_token
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, lookup_address
 from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
@@ -61,6 +61,7 @@ class SchedulerSide:
         self._receiving: set[str] = set()
         self._aborting: set[str] = set()  # finished while its KV was arriving: vLLM delayed the free
         self._sending: set[str] = set()
+        self._bad_tokens: set[str] = set()  # requests whose malformed kvplane_token was logged
         self._meta = KVPlaneMetadata()
         self._advertised: DisaggConfig | None = None  # rank 0 of this DP rank, built on the first send
 
@@ -193,11 +194,11 @@ class SchedulerSide:
         computed = num_computed + int(scheduler_output.num_scheduled_tokens.get(rid, 0))
         params = request.kv_transfer_params or {}
         if (self.config.is_prefill and self.config.mode == "layerwise" and params.get("do_remote_decode")
-                and rid not in self._layerwise_started and computed >= request.num_prompt_tokens):
+                and rid not in self._layerwise_started and computed >= request.num_prompt_tokens
+                and (token := self._token(request)) is not None):
             self._layerwise_started.add(rid)
             n = request.num_prompt_tokens
-            self._meta.layerwise.append(Send(rid, self._blocks_for(ids, n), n, self.transfer_id(rid),
-                                             self._token(request)))
+            self._meta.layerwise.append(Send(rid, self._blocks_for(ids, n), n, self.transfer_id(rid), token))
         if self.config.offload is None:
             return
         stored = self._stored.setdefault(rid, {})
@@ -242,6 +243,12 @@ class SchedulerSide:
         )
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+        try:
+            return self._request_finished(request, block_ids)
+        finally:
+            self._bad_tokens.discard(request.request_id)
+
+    def _request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         for table in (self._requests, self._block_ids, self._stored, self._matched):
             table.pop(rid, None)
@@ -276,17 +283,29 @@ class SchedulerSide:
         if num_tokens < 1 or not any(ids.values()):
             return False, None
         token = self._token(request)
+        if token is None:
+            return False, None
         self._meta.sends.append(Send(rid, ids, num_tokens, self.transfer_id(rid), token))
         self._sending.add(rid)
         return True, self.transfer_params(self.transfer_id(rid), ids, num_tokens, token)
 
-    def _token(self, request: Any) -> str:
-        """The request's token: the proxy's (push modes: it gave the decode the same), else drawn here once."""
+    def _token(self, request: Any) -> str | None:
+        """The request's token: the proxy's (push modes: it gave the decode the same), else drawn here once; None
+        (logged once) when the client's ``kv_transfer_params`` carry one that is not a token: no decode can name
+        the request then, so its KV is not held for one."""
         params = request.kv_transfer_params or {}
-        if not params.get("kvplane_token"):
-            params["kvplane_token"] = new_token()
+        token = params.get("kvplane_token")
+        if not token:
+            params["kvplane_token"] = token = new_token()
             request.kv_transfer_params = params
-        return str(params["kvplane_token"])
+        if isinstance(token, str) and is_token(token):
+            return token
+        if request.request_id not in self._bad_tokens:
+            self._bad_tokens.add(request.request_id)
+            logger.warning("kvplane: request %s has kv_transfer_params kvplane_token=%r, not 32 lowercase hex digits "
+                           "(kvplane proxy draws it with kvplane.flows.disagg.tokens.new_token()); its KV is not "
+                           "held for a decode", request.request_id, token)
+        return None
 
     def transfer_params(self, rid: str, ids: Groups, num_tokens: int, token: str = "") -> dict[str, Any]:
         """What ``PrefillSide.request_finished`` would return, built here where vLLM needs it (see docs/vllm.md):
@@ -306,7 +325,7 @@ class SchedulerSide:
             "scheduler.int_hashes": {rid for rid, _ in self._int_hashes},
             "scheduler.layerwise_started": set(self._layerwise_started), "scheduler.held": set(self._held),
             "scheduler.receiving": set(self._receiving), "scheduler.aborting": set(self._aborting),
-            "scheduler.sending": set(self._sending),
+            "scheduler.sending": set(self._sending), "scheduler.bad_tokens": set(self._bad_tokens),
             "scheduler.lookups": self.lookup.pending() if self.lookup is not None else set(),
         }
 
