@@ -7,7 +7,8 @@ leg is the client's request with the ``kv_transfer_params`` that point it at the
 Push modes name the prefill's request before it exists, by the id vLLM gives it inside the engine: the
 OpenAI server makes it ``cmpl-<X-Request-Id>-<prompt index>`` (completions) or ``chatcmpl-<X-Request-Id>``
 (chat; ``vllm/entrypoints/openai/*/serving.py`` in 0.27.1 and 0.33.0), the engine appends ``-<8 hex>``, and
-kvplane's prefill strips that again (``SchedulerSide.transfer_id``). So a push request carries one prompt.
+kvplane's prefill strips that again (``SchedulerSide.transfer_id``). So a push request carries one prompt; so
+does a pull request, because vLLM's completions answer carries the first prompt's ``kv_transfer_params`` only.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ def check_request(path: str, body: Any, mode: str) -> dict[str, Any]:
             raise ProxyError(400, "bad_request", f"'prompt' is {_short(prompt)}; give a string or a list of "
                                                  f"token ids")
         several = isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
-        if mode != "pull" and several:  # a list of token ids, or of one prompt, is one prompt
+        if several:  # a list of token ids, or of one prompt, is one prompt
             raise ProxyError(400, "bad_request", f"--mode {mode} serves one prompt per request; 'prompt' is a "
-                                                 f"list of {len(prompt)} prompts: send them one by one")
+                                                 f"list of {len(prompt)} prompts: send them one by one "
+                                                 f"(vLLM answers the first prompt's kv_transfer_params only)")
     n = body.get("n", 1)
     if mode != "pull" and n != 1:
         raise ProxyError(400, "bad_request", f"'n' is {n!r}; --mode {mode} serves n=1 (one prefill request "

@@ -89,9 +89,13 @@ def test_a_body_that_is_not_json_is_a_400(bad: Proc) -> None:
     error_of(status, answer, 400, "not JSON")
 
 
-def test_push_refuses_several_prompts_in_one_request(bad: Proc) -> None:
-    status, answer = run(bad, "ok", "ok", {"model": "tiny", "prompt": ["a", "b"]}, mode="push")
-    error_of(status, answer, 400, "one prompt per request")
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_several_prompts_in_one_request_are_refused_in_every_mode(bad: Proc, mode: str) -> None:
+    """Pull too: vLLM's completions answer carries the first prompt's ``kv_transfer_params`` only
+    (``final_res_batch[0]`` in ``vllm/entrypoints/openai/completion/serving.py``, 0.27.1 and 0.33.0), which the
+    decode would apply to every prompt: the KV of prompt 0 under the tokens of prompt 1."""
+    status, answer = run(bad, "ok", "ok", {"model": "tiny", "prompt": ["a", "b"]}, mode=mode)
+    error_of(status, answer, 400, "one prompt per request", "'prompt'", "send them one by one")
 
 
 @pytest.mark.parametrize("prompt", [["a prompt"], [[1, 2, 3]], [1, 2, 3]])

@@ -2,9 +2,11 @@
 
 ``MiniEngine`` builds both connectors through ``KVConnectorFactory`` from a ``KVTransferConfig`` naming
 ``kv_connector_module_path="kvplane.integrations.vllm"``, then plays the scheduler (``Request`` with vLLM's
-block hasher, ``KVCacheBlocks``, ``SchedulerOutput``, ``KVConnectorOutput``) and the model runner
-(``bind_connector_metadata``, ``start_load_kv``, per layer ``wait_for_layer_load`` -> write KV ->
-``save_kv_layer``, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``). The "model" writes
+block hasher, ``KVCacheBlocks``, ``SchedulerOutput``, ``KVConnectorOutput``) and the model runner in the
+installed vLLM's order (``step``: ``bind_connector_metadata``, ``start_load_kv`` before the forward, or after it
+on 0.33 unless the step loads synchronously, per layer ``wait_for_layer_load`` -> write KV -> ``save_kv_layer``,
+``wait_for_save``, ``get_finished`` or 0.33's ``get_transfer_results``, ``get_block_ids_with_load_errors``,
+``build_connector_worker_meta``). The "model" writes
 a deterministic function of (token, position, layer) into the paged cache, so any two instances that computed
 or received the same tokens hold the same bytes: ``digest`` compares them by token position.
 
@@ -72,15 +74,23 @@ class Outcome:
     digest: str = ""  # of every token's KV at the end, before the blocks were freed (and scrubbed)
 
 
-def _scheduler_output(new: list[NewRequestData], cached: CachedRequestData, tokens: dict[str, int]) -> SchedulerOutput:
-    return SchedulerOutput(
+def _scheduler_output(new: list[NewRequestData], cached: CachedRequestData, tokens: dict[str, int],
+                      sync_load: bool = False) -> SchedulerOutput:
+    """``sync_load``: a request of this step loads external tokens synchronously (vLLM 0.33 then starts the loads
+    before the forward)."""
+    so = SchedulerOutput(
         scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=tokens,
         total_num_scheduled_tokens=sum(tokens.values()), scheduled_spec_decode_tokens={},
         scheduled_encoder_inputs={}, num_common_prefix_blocks=[0], finished_req_ids=set(),
         free_encoder_mm_hashes=[],
     )
+    if STARTS_LOADS_AFTER_FORWARD:
+        so.has_sync_kv_loads = sync_load
+    return so
 
 
+# vLLM 0.33's runner starts loads after the forward unless the step has a sync load (0.27.1: always before)
+STARTS_LOADS_AFTER_FORWARD = "has_sync_kv_loads" in SchedulerOutput.__dataclass_fields__
 # vLLM 0.27 hands a cross-layer cache to register_cross_layers_kv_cache; 0.33 has no such hook (a layout instead)
 CROSS_LAYER_HOOK = hasattr(KVConnectorBase_V1, "register_cross_layers_kv_cache")
 
@@ -245,22 +255,39 @@ class MiniEngine:
 
     # -- one step of the model runner -----------------------------------------------------------------
     def step(self, so: SchedulerOutput, writes: list[tuple[tuple[list[int], ...], list[int], int, int]]) -> set[int]:
+        """One step of every rank's model runner, its connector calls in the installed vLLM's order (see
+        ``realsched.RealEngine.run_model``: 0.33 starts loads after the forward unless the step loads
+        synchronously, waits for saves in every step and takes results through ``get_transfer_results``)."""
         meta = self.scheduler.build_connector_meta(so)
         sending: set[str] = set()
         recving: set[str] = set()
+        failed: set[str] = set()
         errors: set[int] = set()
+        worker_meta: Any = None
+        after_forward = STARTS_LOADS_AFTER_FORWARD and not so.has_sync_kv_loads
         for rank, worker in enumerate(self.workers):  # vLLM runs the ranks in parallel; in turn is enough here
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)
-            if writes:
-                for name, g in self.layer_group.items():
-                    worker.wait_for_layer_load(name)
-                    for ids, tokens, start, end in writes:
-                        self._write(rank, name, ids[g], tokens, start, end)
-                    worker.save_kv_layer(name, self.rank_caches[rank][name], None)
+            if not after_forward:
+                worker.start_load_kv(None)
+            for name, g in (self.layer_group if writes else {}).items():
+                worker.wait_for_layer_load(name)
+                for ids, tokens, start, end in writes:
+                    self._write(rank, name, ids[g], tokens, start, end)
+                worker.save_kv_layer(name, self.rank_caches[rank][name], None)
+            if after_forward:
+                worker.start_load_kv(None)
+            if writes or STARTS_LOADS_AFTER_FORWARD:  # 0.27.1's no-forward step does not wait for saves
                 worker.wait_for_save()
-            rank_sending, rank_recving = worker.get_finished(set())
+            if STARTS_LOADS_AFTER_FORWARD:
+                results = worker.get_transfer_results(so.finished_req_ids)
+                rank_sending, rank_recving = results.finished_sending, results.finished_recving
+                failed |= results.failed_recving
+            else:
+                rank_sending, rank_recving = worker.get_finished(so.finished_req_ids)
             errors |= worker.get_block_ids_with_load_errors()
+            rank_meta = worker.build_connector_worker_meta()
+            if rank_meta is not None:  # vLLM's KVOutputAggregator aggregates the ranks' metadata
+                worker_meta = rank_meta if worker_meta is None else worker_meta.aggregate(rank_meta)
             worker.clear_connector_metadata()
             # vLLM's KVOutputAggregator: a request is finished once every rank reported it
             for kind, ids, out in (("s", rank_sending, sending), ("r", rank_recving, recving)):
@@ -269,8 +296,11 @@ class MiniEngine:
                     if n == self.tp:
                         del self._reports[(kind, rid)]
                         out.add(rid)
-        self.scheduler.update_connector_output(KVConnectorOutput(
-            finished_sending=sending or None, finished_recving=recving or None, invalid_block_ids=errors))
+        output = KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
+                                   invalid_block_ids=errors, kv_connector_worker_meta=worker_meta)
+        if STARTS_LOADS_AFTER_FORWARD:
+            output.failed_recving = failed
+        self.scheduler.update_connector_output(output)
         for rid in sending or ():
             self.sent.add(rid)
             self._release(self.held.pop(rid, ()))
@@ -317,7 +347,12 @@ class MiniEngine:
         self.scheduler.on_new_request(req)
         out = Outcome(request_id)
         ext, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
-        ext = ext or 0
+        end = time.monotonic() + within_s
+        while ext is None:  # vLLM skips the request this step and asks again in the next one
+            if time.monotonic() > end:
+                raise AssertionError(f"{request_id}: get_num_new_matched_tokens said 'not yet' for {within_s} s")
+            time.sleep(0.001)
+            ext, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
         ids = self._allocate(len(prompt) + max_tokens)
         out.block_ids = ids
         self.scheduler.update_state_after_alloc(req, KVCacheBlocks(tuple([KVCacheBlock(i) for i in g] for g in ids)),
@@ -340,7 +375,8 @@ class MiniEngine:
             self.scheduler.update_state_after_alloc(req, KVCacheBlocks(tuple([] for _ in ids)), 0)
         req.num_computed_tokens = computed
         new = NewRequestData.from_request(req, ids)
-        so = _scheduler_output([new], CachedRequestData.make_empty(), {request_id: len(prompt) - computed})
+        so = _scheduler_output([new], CachedRequestData.make_empty(), {request_id: len(prompt) - computed},
+                               sync_load=computed > 0 and not is_async)
         errors = self.step(so, [(ids, list(prompt), computed, len(prompt))])
         if errors:  # a synchronous load that came up short: recompute the whole prompt, as vLLM would
             out.load_errors |= errors

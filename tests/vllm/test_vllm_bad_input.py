@@ -90,3 +90,21 @@ def test_block_ids_for_the_wrong_number_of_groups_send_nothing(
     assert len(logged(caplog, "p")) == 1
     prefill.drain()
     prefill.assert_nothing_held()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push", "layerwise"])
+@pytest.mark.parametrize("token", ["not-a-token", 12345])
+def test_a_prefill_request_with_a_malformed_kvplane_token_is_logged_and_frees_its_blocks(
+    model_dir: str, engines: list[RealEngine], mode: str, token: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The token comes with the client's ``kv_transfer_params``: a bad one must not raise in the worker (vLLM's
+    model runner would die with the whole engine) nor leave the prefill's blocks held for ever."""
+    prefill = RealEngine(model_dir, {"disagg": {"mode": mode, "port": free_port(), **QUICK}}, "kv_producer")
+    engines.append(prefill)
+    with caplog.at_level(logging.WARNING, logger="kvplane.vllm"):
+        prefill.add("p", PROMPT, {"do_remote_decode": True, "kvplane_token": token})
+        out = prefill.finish("p")
+        prefill.drain(within_s=10.0)
+    assert out.finish_reason == FinishReason.LENGTH and not out.kv_transfer_params
+    assert any("kvplane_token" in m for m in logged(caplog, "p")), logged(caplog, "p")
+    prefill.assert_nothing_held()

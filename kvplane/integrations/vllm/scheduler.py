@@ -1,8 +1,8 @@
 """The scheduler-side half of the connector: decides what each step loads, stores, receives and sends.
 
 Called by vLLM's scheduler, in this order per request: ``get_num_new_matched_tokens`` (a lookup in the
-worker's host tier, whose answer the worker holds for the request until it loads, ends or asks again: see
-``holds.py``; or the token count a remote prefill holds), ``update_state_after_alloc``
+worker's host tier, "not yet" until its answer came, which the worker holds for the request until it loads,
+ends or asks again: see ``lookup.py`` and ``holds.py``; or the token count a remote prefill holds), ``update_state_after_alloc``
 (records the blocks), ``build_connector_meta`` once per step (hands the step's work to the workers),
 ``update_connector_output`` (what the workers finished), ``request_finished_all_groups`` (returns
 ``kv_transfer_params`` and keeps a prefill's blocks until the workers report them). No vLLM import here:
@@ -22,7 +22,7 @@ import numpy as np
 from kvplane.blocks.groups import HOLE
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.params import TransferParams
-from kvplane.flows.disagg.tokens import new_token
+from kvplane.flows.disagg.tokens import is_token, new_token
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, lookup_address
 from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
@@ -64,6 +64,7 @@ class SchedulerSide:
         self._receiving: set[str] = set()
         self._aborting: set[str] = set()  # finished while its KV was arriving: vLLM delayed the free
         self._sending: set[str] = set()
+        self._bad_tokens: set[str] = set()  # requests whose malformed kvplane_token was logged
         self._meta = KVPlaneMetadata()
         self._advertised: DisaggConfig | None = None  # rank 0 of this DP rank, built on the first send
 
@@ -120,10 +121,14 @@ class SchedulerSide:
             return 0, False
         # never the whole prompt: the last token is computed here to produce the first output
         limit = (request.num_prompt_tokens - 1) // self.step_tokens * self.step_tokens
-        if limit <= num_computed_tokens:
-            return 0, False
-        hashes = {g: self._hashes(request, g)[: limit // bs] for g, bs in self.block_sizes.items()}
-        answer = self.lookup.hold(request.request_id, hashes, self.block_sizes)
+        if not self.lookup.asked(request.request_id):
+            if limit <= num_computed_tokens:
+                return 0, False
+            hashes = {g: self._hashes(request, g)[: limit // bs] for g, bs in self.block_sizes.items()}
+            self.lookup.ask(request.request_id, hashes, self.block_sizes)
+        answer = self.lookup.answer(request.request_id)
+        if answer is None:
+            return None, False  # not answered yet: vLLM asks again next step, the scheduler never waits
         if answer > 0:
             self._held.add(request.request_id)  # the worker holds the blocks until load, release or a new lookup
         hit = min(answer, limit) // self.step_tokens * self.step_tokens
@@ -167,6 +172,8 @@ class SchedulerSide:
                 self._receiving.add(rid)  # ends, fails and aborts like a receive
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlaneMetadata:
+        if self.lookup is not None:  # ended requests whose lookup may have held blocks, once no hold can follow
+            self._meta.released.extend(self.lookup.releasable())
         for req in scheduler_output.scheduled_new_reqs:
             self._block_ids[req.req_id] = {g: list(v) for g, v in enumerate(req.block_ids)}
             self._stored.pop(req.req_id, None)
@@ -192,11 +199,11 @@ class SchedulerSide:
         computed = num_computed + int(scheduler_output.num_scheduled_tokens.get(rid, 0))
         params = request.kv_transfer_params or {}
         if (self.config.is_prefill and self.config.mode == "layerwise" and params.get("do_remote_decode")
-                and rid not in self._layerwise_started and computed >= request.num_prompt_tokens):
+                and rid not in self._layerwise_started and computed >= request.num_prompt_tokens
+                and (token := self._token(request)) is not None):
             self._layerwise_started.add(rid)
             n = request.num_prompt_tokens
-            self._meta.layerwise.append(Send(rid, self._blocks_for(ids, n), n, self.transfer_id(rid),
-                                             self._token(request)))
+            self._meta.layerwise.append(Send(rid, self._blocks_for(ids, n), n, self.transfer_id(rid), token))
         if self.config.offload is None:
             return
         stored = self._stored.setdefault(rid, {})
@@ -241,6 +248,12 @@ class SchedulerSide:
         )
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+        try:
+            return self._request_finished(request, block_ids)
+        finally:
+            self._bad_tokens.discard(request.request_id)
+
+    def _request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         for table in (self._requests, self._block_ids, self._stored, self._matched):
             table.pop(rid, None)
@@ -249,6 +262,8 @@ class SchedulerSide:
         if rid in self._held:
             self._held.discard(rid)
             self._meta.released.append(rid)
+        if self.lookup is not None:
+            self.lookup.abandon(rid)
         started = rid in self._layerwise_started
         self._layerwise_started.discard(rid)
         if rid in self._receiving:  # the KV is still arriving: free once nothing can write the blocks
@@ -277,17 +292,29 @@ class SchedulerSide:
         if num_tokens < 1 or not any(ids.values()):
             return False, None
         token = self._token(request)
+        if token is None:
+            return False, None
         self._meta.sends.append(Send(rid, ids, num_tokens, self.transfer_id(rid), token))
         self._sending.add(rid)
         return True, self.transfer_params(self.transfer_id(rid), ids, num_tokens, token)
 
-    def _token(self, request: Any) -> str:
-        """The request's token: the proxy's (push modes: it gave the decode the same), else drawn here once."""
+    def _token(self, request: Any) -> str | None:
+        """The request's token: the proxy's (push modes: it gave the decode the same), else drawn here once; None
+        (logged once) when the client's ``kv_transfer_params`` carry one that is not a token: no decode can name
+        the request then, so its KV is not held for one."""
         params = request.kv_transfer_params or {}
-        if not params.get("kvplane_token"):
-            params["kvplane_token"] = new_token()
+        token = params.get("kvplane_token")
+        if not token:
+            params["kvplane_token"] = token = new_token()
             request.kv_transfer_params = params
-        return str(params["kvplane_token"])
+        if isinstance(token, str) and is_token(token):
+            return token
+        if request.request_id not in self._bad_tokens:
+            self._bad_tokens.add(request.request_id)
+            logger.warning("kvplane: request %s has kv_transfer_params kvplane_token=%r, not 32 lowercase hex digits "
+                           "(kvplane proxy draws it with kvplane.flows.disagg.tokens.new_token()); its KV is not "
+                           "held for a decode", request.request_id, token)
+        return None
 
     def transfer_params(self, rid: str, ids: Groups, num_tokens: int, token: str = "") -> dict[str, Any]:
         """What ``PrefillSide.request_finished`` would return, built here where vLLM needs it (see docs/vllm.md):
@@ -307,7 +334,8 @@ class SchedulerSide:
             "scheduler.int_hashes": {rid for rid, _ in self._int_hashes},
             "scheduler.layerwise_started": set(self._layerwise_started), "scheduler.held": set(self._held),
             "scheduler.receiving": set(self._receiving), "scheduler.aborting": set(self._aborting),
-            "scheduler.sending": set(self._sending),
+            "scheduler.sending": set(self._sending), "scheduler.bad_tokens": set(self._bad_tokens),
+            "scheduler.lookups": self.lookup.pending() if self.lookup is not None else set(),
         }
 
     def hit_source(self, request: Any) -> str:
