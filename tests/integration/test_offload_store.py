@@ -65,6 +65,7 @@ def test_a_prefix_the_host_tier_dropped_is_loaded_back_from_the_store(
         h.engine.wait_idle()
         assert h.engine.index.cached_prefix(0, a) == 0
         assert h.engine.lookup(a) == 4  # found in the store
+        assert h.engine.lookup(a, h.engine.store_presence(a)) == 4  # the store asked first, outside any lock
         stored = device_digest(h, [1, 2])
         h.zero([1, 2, 5, 6])
         assert h.load("la", a, [5, 6]) == 4

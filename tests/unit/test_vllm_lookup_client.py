@@ -38,7 +38,7 @@ def test_lookups_to_a_worker_that_is_not_there_never_block_the_scheduler_and_cou
 def test_an_ended_request_is_released_only_after_its_lookup_was_answered() -> None:
     held: list[str] = []
 
-    def hold(request_id: str, hashes: Hashes, block_tokens: dict[int, int]) -> int:
+    def hold(request_id: str, hashes: Hashes, block_tokens: dict[int, int], in_store: object = None) -> int:
         held.append(request_id)
         return 32
 
@@ -59,5 +59,39 @@ def test_an_ended_request_is_released_only_after_its_lookup_was_answered() -> No
         until(lambda: client.answer("b") is not None)
         assert held == ["a", "b"] and client.pending() == set()
     finally:
+        client.close()
+        server.close()
+
+
+def test_the_store_is_asked_outside_the_workers_lock() -> None:
+    """A slow store tier holds up the lookup thread only: while it is being asked, the worker's calls, which take
+    the same lock, go on; the hold that follows gets the store's answer."""
+    lock = threading.Lock()
+    asking, answer = threading.Event(), threading.Event()
+    holds: list[object] = []
+
+    def presence(hashes: Hashes) -> object:
+        asking.set()
+        assert answer.wait(30.0), "the test never let the store answer"
+        return {0: [True, True]}
+
+    def hold(request_id: str, hashes: Hashes, block_tokens: dict[int, int], in_store: object = None) -> int:
+        holds.append(in_store)
+        return 32
+
+    where = address()
+    server = LookupServer(where, hold, lock, presence)
+    client = LookupClient(where, timeout_s=600.0)
+    try:
+        client.ask("a", {0: [1, 2]}, {0: 16})
+        assert asking.wait(30.0)
+        assert lock.acquire(timeout=10.0), "the worker's lock is held while the store is asked"
+        lock.release()
+        answer.set()
+        got: list[int | None] = []
+        until(lambda: got.append(client.answer("a")) or got[-1] is not None)
+        assert got[-1] == 32 and holds == [{0: [True, True]}]
+    finally:
+        answer.set()
         client.close()
         server.close()

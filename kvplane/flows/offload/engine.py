@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
 
 import numpy as np
+import numpy.typing as npt
 
 from kvplane.backend.base import Backend, Event
 from kvplane.blocks.groups import Ids, PerGroup, per_group
@@ -44,6 +45,8 @@ from kvplane.metrics.watch import record_offload, watch_offload
 
 SAVE_TASKS = 8  # see OffloadEngine._save_batch
 LoadRequest = tuple[str, PerGroup, PerGroup]  # (request id, block hashes, device block ids)
+BoolArray = npt.NDArray[np.bool_]
+InStore = dict[int, BoolArray]  # per group: which of a lookup's blocks the store tier holds
 
 
 class OffloadEngine:
@@ -99,19 +102,34 @@ class OffloadEngine:
         self._load_errors: set[int] = set()
 
     # -- queries ------------------------------------------------------------------------------------------
-    def lookup(self, block_hashes: PerGroup) -> int:
-        """Leading tokens available in the host tier, then the store: the fewest over the model's groups."""
+    def lookup(self, block_hashes: PerGroup, in_store: InStore | None = None) -> int:
+        """Leading tokens available in the host tier, then the store: the fewest over the model's groups.
+        ``in_store``: what ``store_presence`` answered for the same hashes, so the store is not asked again here
+        (the caller asked it outside the lock that guards this engine)."""
         tokens: int | None = None
         queried = 0
         for g, hashes in per_group("block_hashes", block_hashes, self._group_ids, OffloadError).items():
-            runs = self._runs(g, hashes.tolist())
+            runs = self._runs(g, hashes.tolist(), None if in_store is None else in_store.get(g))
             t = sum(count for _, count in runs) * self._tokens_per_block[g]
             tokens = t if tokens is None else min(tokens, t)
             queried = max(queried, len(hashes) * self._tokens_per_block[g])
         recorder().lookup(queried, tokens or 0)
         return tokens or 0
 
-    def _runs(self, group: int, hashes: list[int]) -> list[tuple[bool, int]]:
+    def store_presence(self, block_hashes: PerGroup) -> InStore | None:
+        """Which blocks the store tier holds, per group (None without a store tier). It asks the store only, so
+        it may run on any thread without this engine's lock: a lookup asks it first, then takes the lock for
+        ``lookup(block_hashes, in_store)``, and a slow store never holds up the engine's callers."""
+        store = self.store
+        if store is None:
+            return None
+        found = {}
+        for g, hashes in per_group("block_hashes", block_hashes, self._group_ids, OffloadError).items():
+            present = store.exists(g, hashes.tolist())
+            found[g] = np.zeros(len(hashes), dtype=bool) if present is None else np.asarray(present, dtype=bool)
+        return found
+
+    def _runs(self, group: int, hashes: list[int], in_store: BoolArray | None = None) -> list[tuple[bool, int]]:
         """The available prefix as runs ``(in_store, count)``: host runs and store runs alternate."""
         runs: list[tuple[bool, int]] = []
         n = 0
@@ -120,11 +138,17 @@ class OffloadEngine:
             if in_host:
                 runs.append((False, in_host))
                 n += in_host
-            in_store = self.store.count_prefix(group, hashes[n:]) if self.store is not None and n < len(hashes) else 0
-            if not in_store:
+            if n >= len(hashes):
                 break
-            runs.append((True, in_store))
-            n += in_store
+            if in_store is not None:
+                rest = in_store[n:]
+                found = int(rest.size if rest.all() else rest.argmin())
+            else:
+                found = self.store.count_prefix(group, hashes[n:]) if self.store is not None else 0
+            if not found:
+                break
+            runs.append((True, found))
+            n += found
         return runs
 
     def host_blocks_in_use(self) -> int:

@@ -43,6 +43,10 @@ class StoreLink:
     def count_prefix(self, group: int, hashes: list[int]) -> int:
         return self.tier.count_prefix(self.keys(group, hashes))
 
+    def exists(self, group: int, hashes: list[int]) -> list[bool] | None:
+        """Which blocks the store holds (one call, any thread: it touches the store only); None when it is down."""
+        return self.tier.exists(self.keys(group, hashes))
+
     def write(self, group: int, ids: Ids, hashes: list[int]) -> None:
         """Put host blocks the caller holds a reference on; that reference goes with the put, released by poll."""
         addrs, sizes = self.addrs(group, ids)

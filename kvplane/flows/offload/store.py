@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+import numpy as np
+
 from kvplane.flows.offload.config import StoreConfig
 from kvplane.flows.offload.errors import StoreError
 from kvplane.logs import quiet_engine_logs
@@ -208,21 +210,22 @@ class StoreTier:
     # -- calls --------------------------------------------------------------------------------------------
     def count_prefix(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` the store holds; 0 when it is down or does not answer in time."""
+        found = self.exists(keys)
+        return 0 if found is None else leading(found)
+
+    def exists(self, keys: Sequence[str]) -> list[bool] | None:
+        """Which ``keys`` the store holds, in one call; None when it is down or does not answer in time. Safe to
+        call from any thread (the engine's lookup thread calls it outside the worker's lock)."""
         if not keys or not self.up:
-            return 0
+            return None
         exist = self._query.submit(lambda: list(self._client.batch_is_exist(list(keys))), "batch_is_exist")
         found = self._wait(exist, "batch_is_exist")
         if found is None:
-            return 0
+            return None
         if found and all(int(f) < 0 for f in found):
             self._degrade(f"batch_is_exist returned errors {sorted(set(found))[:3]}")
-            return 0
-        n = 0
-        for f in found:
-            if int(f) != 1:
-                break
-            n += 1
-        return n
+            return None
+        return [int(f) == 1 for f in found]
 
     def put(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> Future[list[int]] | None:
         """Start putting host ranges under ``keys``; None when the store is down (nothing was started)."""
@@ -291,3 +294,9 @@ class StoreTier:
                 return
         self._query.close(wait=False)
         _abandon(self._client)
+
+
+def leading(found: Sequence[bool]) -> int:
+    """How many of ``found`` are True before the first False."""
+    held = np.asarray(found, dtype=bool)
+    return int(held.size if held.all() else held.argmin())

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.flows.offload import OffloadEngine
+from kvplane.flows.offload.engine import InStore
 
 logger = logging.getLogger("kvplane.vllm")
 HELD_SHARE = 0.5  # of the host tier, at most, held for promised lookups: stores keep the other half
@@ -30,11 +31,13 @@ class LookupHolds:
         self._held: dict[str, dict[int, npt.NDArray[np.int64]]] = {}
         self.held_bytes = 0
 
-    def hold(self, request_id: str, hashes: dict[int, list[int]], block_tokens: dict[int, int]) -> int:
+    def hold(self, request_id: str, hashes: dict[int, list[int]], block_tokens: dict[int, int],
+             in_store: InStore | None = None) -> int:
         """Leading tokens the tiers hold for ``hashes`` (per KV-cache group), their host blocks held for the
-        request; 0 when holding them would pass the bound."""
+        request; 0 when holding them would pass the bound. ``in_store``: the store tier's answer for the same
+        hashes, asked before the caller took the engine's lock (``OffloadEngine.store_presence``)."""
         self.release(request_id)
-        tokens = self.offload.lookup(hashes)
+        tokens = self.offload.lookup(hashes, in_store)
         if tokens <= 0:
             return 0
         index, pool = self.offload.index, self.offload.pool

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -47,7 +48,8 @@ class HoldReply(msgspec.Struct, frozen=True):
     tokens: int
 
 
-Hold = Callable[[str, Hashes, dict[int, int]], int]
+Presence = Callable[[Hashes], Any]  # the store tier's answer for a lookup's hashes, asked without the lock
+Hold = Callable[[str, Hashes, dict[int, int], Any], int]  # ... and the hold under it, given that answer
 
 
 def lookup_address(engine_id: str, dp_rank: int = 0) -> str:
@@ -63,11 +65,13 @@ def block_hash_int(block_hash: bytes | int) -> int:
 
 
 class LookupServer:
-    """Answers lookups on a daemon thread; ``hold`` is called under ``lock`` (the engine's own lock)."""
+    """Answers lookups on a daemon thread; ``hold`` is called under ``lock`` (the engine's own lock), after
+    ``presence`` asked the store tier outside it: a slow store holds up this thread only, never the engine's
+    calls that take the lock (``wait_for_layer_load``, ``save_kv_layer``, ``get_finished``...)."""
 
-    def __init__(self, address: str, hold: Hold, lock: threading.Lock) -> None:
+    def __init__(self, address: str, hold: Hold, lock: threading.Lock, presence: Presence | None = None) -> None:
         self.address = address
-        self._hold, self._lock = hold, lock
+        self._hold, self._lock, self._presence = hold, lock, presence
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -86,9 +90,12 @@ class LookupServer:
             try:
                 ask = decoder.decode(frames[-1])
                 seq = ask.seq
+                in_store = None
+                if self._presence is not None and time.monotonic() <= ask.deadline:
+                    in_store = self._presence(ask.hashes)  # the store, outside the lock
                 with self._lock:  # the deadline is read under the lock: a release after it cannot come first
                     late = time.monotonic() > ask.deadline
-                    tokens = 0 if late else self._hold(ask.request_id, ask.hashes, ask.block_tokens)
+                    tokens = 0 if late else self._hold(ask.request_id, ask.hashes, ask.block_tokens, in_store)
             except Exception as e:  # a bad request or a failing lookup is a miss, never a dead server
                 logger.warning("kvplane lookup failed, answering 0 tokens: %s", e)
             self._socket.send_multipart([frames[0], msgspec.msgpack.encode(HoldReply(seq, tokens))])

@@ -87,7 +87,8 @@ class WorkerSide:
             if self.tp_rank == 0:
                 self.holds = LookupHolds(self.offload)
                 self.lookup_server = LookupServer(
-                    lookup_address(self.config.engine_id, self.dp_rank), self.holds.hold, self._lock
+                    lookup_address(self.config.engine_id, self.dp_rank), self.holds.hold, self._lock,
+                    self.offload.store_presence,
                 )
         if self.config.is_prefill:
             self.prefill = PrefillSide(backend, self.spec, kv_caches, self.config.disagg_for(self.tp_rank),
