@@ -108,3 +108,30 @@ def test_a_prefill_request_with_a_malformed_kvplane_token_is_logged_and_frees_it
     assert out.finish_reason == FinishReason.LENGTH and not out.kv_transfer_params
     assert any("kvplane_token" in m for m in logged(caplog, "p")), logged(caplog, "p")
     prefill.assert_nothing_held()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push", "layerwise"])
+def test_a_prefill_side_that_refuses_the_hand_over_is_logged_and_frees_the_blocks(
+    model_dir: str, engines: list[RealEngine], mode: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Whatever the prefill side refuses when the worker hands it a finished request (or a layer-wise start), the
+    refusal must not raise into vLLM's model runner, and the blocks vLLM was told to keep must come back to it.
+    The refusal is planted: no known input makes the prefill side raise there once the scheduler checked it."""
+    from kvplane.flows.disagg import PrefillSide
+    from kvplane.flows.disagg.errors import DisaggError
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise DisaggError("planted refusal")
+
+    monkeypatch.setattr(PrefillSide, "request_finished", refuse)
+    monkeypatch.setattr(PrefillSide, "start_request", refuse)
+    prefill = RealEngine(model_dir, {"disagg": {"mode": mode, "port": free_port(), **QUICK}}, "kv_producer")
+    engines.append(prefill)
+    with caplog.at_level(logging.WARNING, logger="kvplane.vllm"):
+        prefill.add("p", PROMPT, {"do_remote_decode": True})
+        out = prefill.finish("p")
+        prefill.drain(within_s=10.0)
+    assert out.finish_reason == FinishReason.LENGTH
+    assert any("planted refusal" in m for m in logged(caplog, "p")), logged(caplog, "p")
+    prefill.assert_nothing_held()

@@ -57,6 +57,7 @@ class WorkerSide:
         self.failures_by_request = len(getattr(kv_cache_config, "kv_cache_groups", ())) > 1
         self._failed_receives: list[Completion] = []
         self._by_transfer_id: dict[str, str] = {}  # prefill: the id decode knows -> vLLM's request id
+        self._refused_sends: set[str] = set()  # the prefill side refused them: vLLM gets their blocks back
         self._pushing_layers = False  # this step's forward completes a layer-wise request's prompt
         self._step: KVPlaneMetadata | None = None  # bound for the step now running
         self._saves_started = False
@@ -187,8 +188,7 @@ class WorkerSide:
         self._pushing_layers = bool(meta.layerwise)
         if self.prefill is not None:
             for send in meta.layerwise:
-                self.prefill.start_request(self._transfer_id(send), send.block_ids, send.num_tokens,
-                                           token=send.token or None)
+                self._hand_over(send, finished=False)
 
     def start_load_kv(self, meta: KVPlaneMetadata) -> None:
         for rid in meta.aborts:
@@ -203,9 +203,27 @@ class WorkerSide:
             self._decline(params)
         if self.prefill is not None:
             for send in meta.sends:
-                self.prefill.request_finished(self._transfer_id(send), send.block_ids, send.num_tokens,
-                                              token=send.token or None)
-                self.counters["sends"] += 1
+                if self._hand_over(send, finished=True):
+                    self.counters["sends"] += 1
+
+    def _hand_over(self, send: Send, *, finished: bool) -> bool:
+        """Hand a request to the prefill side (its start, for layer-wise push, or its end). A refusal is logged,
+        never raised into vLLM's model runner; a refused end is reported sent at once, so vLLM frees the blocks it
+        kept for the decode (nothing will read them)."""
+        assert self.prefill is not None
+        tid = self._transfer_id(send)
+        call = self.prefill.request_finished if finished else self.prefill.start_request
+        try:
+            call(tid, send.block_ids, send.num_tokens, token=send.token or None)
+        except KvplaneError as e:
+            logger.warning("kvplane: request %s was refused by the prefill side at its %s (%s); %s", send.request_id,
+                           "end" if finished else "layer-wise start", e,
+                           "its blocks go back to vLLM" if finished else "its end is handed over again")
+            if finished:
+                self._by_transfer_id.pop(tid, None)
+                self._refused_sends.add(send.request_id)
+            return False
+        return True
 
     def _transfer_id(self, send: Send) -> str:
         tid = send.transfer_id or send.request_id
@@ -324,6 +342,8 @@ class WorkerSide:
                 self._short_loads.discard(rid)
                 completions.append(Completion(rid, "failed" if short else "done",
                                               reason="host-tier blocks gone since the lookup" if short else ""))
+        sending |= self._refused_sends
+        self._refused_sends.clear()
         if self.prefill is not None:
             for c in self.prefill.get_finished():
                 if c.request_id not in self._by_transfer_id:  # vLLM asserts on an id it does not hold: a peer's stray or repeated completion
