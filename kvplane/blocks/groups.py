@@ -10,16 +10,25 @@ of the window, which vLLM fills with its null block). Nothing moves for a hole's
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeGuard
 
 import numpy as np
 
 from kvplane.descriptors import Int64Array as Ids  # the one definition of an int64 id array
 from kvplane.errors import BlockError
 
-__all__ = ["HOLE", "Ids", "PerGroup", "per_group", "table_problem"]
+__all__ = ["HOLE", "INT64", "Ids", "PerGroup", "is_ids", "per_group", "table_problem"]
 
 PerGroup = Sequence[int] | Ids | Mapping[int, Sequence[int] | Ids]
 HOLE = -1  # a block-table position without a block: nothing moves for its tokens
+# int64's dtype (a singleton): ``arr.dtype is INT64`` is one pointer test, where ``arr.dtype == np.int64`` first
+# converts the type into a dtype; with the caches cold at the start of a request every such detour costs
+INT64 = np.dtype(np.int64)
+
+
+def is_ids(arr: object) -> TypeGuard[Ids]:
+    """Whether ``arr`` is already a 1-D contiguous int64 array (what flows and the native calls take as it is)."""
+    return type(arr) is np.ndarray and arr.dtype is INT64 and arr.ndim == 1 and arr.flags.c_contiguous
 
 
 def per_group(
@@ -27,8 +36,7 @@ def per_group(
 ) -> dict[int, Ids]:
     """``{group: int64 ids}`` from a mapping, or from one sequence when the model has a single KV-cache group.
     A contiguous 1-D int64 array is taken as it is (the engine's hot path hands one per request)."""
-    ready = value if isinstance(value, np.ndarray) and value.dtype == np.int64 and value.ndim == 1 \
-        and value.flags.c_contiguous else None
+    ready = value if is_ids(value) else None
     if ready is None and isinstance(value, Mapping):
         unknown = sorted(set(value) - set(group_ids))
         if unknown:

@@ -201,37 +201,48 @@ def test_a_failed_relayout_fails_its_request_only_and_keeps_the_prefill_connecti
         prefill.close()
 
 
+def calls_before_each_start(monkeypatch: pytest.MonkeyPatch, side: Any, name: str) -> list[int]:
+    """Count the calls of ``decode_start.<name>``; the list returned gets, at each start attempt of ``side``'s
+    Starter, how many of those calls came before it."""
+    real, calls, starts = getattr(decode_start, name), [], []
+    real_start = side._starter.start
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    def start(want: Any) -> Any:
+        starts.append(len(calls))
+        return real_start(want)
+
+    monkeypatch.setattr(decode_start, name, counted)
+    monkeypatch.setattr(side._starter, "start", start)
+    return starts
+
+
+def wait_for_starts(starts: list[int], count: int = 6) -> None:
+    """Until the first start and five retries were made (a hang guard, not a timing check)."""
+    end = time.monotonic() + 20
+    while len(starts) < count:
+        assert time.monotonic() < end, f"only {len(starts)} starts"
+        time.sleep(0.01)
+
+
 def test_a_pull_waiting_for_staging_room_is_planned_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """While the staging buffer is full, a staged pull retries its start on every tick of the loop (20 ms): it
     must reuse the plan it made, not plan again each time (on main at cbeed0c every retry called the planner
     again, for every layer of every prefill rank). Once room is free, the same plan lands every byte."""
-    real, plans = decode_start.route_plan, []
-
-    def counted(*args: Any) -> Any:
-        plans.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(decode_start, "route_plan", counted)
     spec = mla(16)
     prefill = make("prefill", spec, "mla_fused", seed=7)
     decode = make("decode", spec, "mla_split", staging_bytes=3 * source_block_bytes(16))
-    side, starter = decode.side, decode.side._starter
-    starts, real_start = [], starter.start
-
-    def start(want: Any) -> Any:
-        starts.append(len(plans))  # the planner calls made before this start
-        return real_start(want)
-
-    monkeypatch.setattr(starter, "start", start)
+    side = decode.side
+    starts = calls_before_each_start(monkeypatch, side, "route_plan")
     try:
         arena = side.local.arena
         held = side._loop.submit(lambda: arena.take(arena.size)).result(10)  # another request holds it all
         p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
         side.start_pull("r", prefill.side.request_finished("r", p_ids, TOKENS), d_ids)
-        end = time.monotonic() + 20
-        while len(starts) < 6:  # the first start and five retries (hang guard only)
-            assert time.monotonic() < end, f"only {len(starts)} starts"
-            time.sleep(0.01)
+        wait_for_starts(starts)
         assert starts[1] > 0 and starts[-1] == starts[1], f"planner calls before each start: {starts}"
         side._loop.submit(lambda: arena.give(held)).result(10)
         assert decode.wait("r").state == "done"
@@ -268,34 +279,18 @@ def test_a_pull_from_prefill_ranks_whose_manifests_differ_is_refused_naming_the_
 def test_a_push_waiting_for_staging_room_is_sized_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """As a pull: a staged push retrying its start on every tick while the buffer is full sizes its staging once
     (on main at cbeed0c every retry planned the whole request again to size it)."""
-    real, sized = decode_start.staging_needed, []
-
-    def counted(*args: Any) -> Any:
-        sized.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(decode_start, "staging_needed", counted)
     spec = mla(16)
     prefill = make("prefill", spec, "mla_fused", seed=7, mode="push")
     decode = make("decode", spec, "mla_split", mode="push", staging_bytes=4 * 13 * source_block_bytes(16))
-    side, starter = decode.side, decode.side._starter
-    starts, real_start = [], starter.start
-
-    def start(want: Any) -> Any:
-        starts.append(len(sized))  # the sizings made before this start
-        return real_start(want)
-
-    monkeypatch.setattr(starter, "start", start)
+    side = decode.side
+    starts = calls_before_each_start(monkeypatch, side, "staging_needed")
     try:
         arena = side.local.arena
         held = side._loop.submit(lambda: arena.take(arena.size)).result(10)  # another request holds it all
         p_ids, d_ids = prefill.allocate(TOKENS), decode.allocate(TOKENS)
         side.register_push("r", push_params(prefill.side.base_port, "r", prefill.side.config.engine_id), d_ids,
                            TOKENS)
-        end = time.monotonic() + 20
-        while len(starts) < 6:  # the first start and five retries (hang guard only)
-            assert time.monotonic() < end, f"only {len(starts)} starts"
-            time.sleep(0.01)
+        wait_for_starts(starts)
         assert starts[1] > 0 and starts[-1] == starts[1], f"sizings before each start: {starts}"
         side._loop.submit(lambda: arena.give(held)).result(10)
         prefill.side.request_finished("r", p_ids, TOKENS, token=token_for("r"))

@@ -50,11 +50,6 @@ class LayerCopier:
             device_ids, host_ids
         )
 
-    def save_merged(self, layers: Sequence[str]) -> bool:
-        """Whether the D2H of ``layers`` is one descriptor per block for all of them (cross-layer caches): then
-        it can start only once every one of them was saved."""
-        return self._planner(self._save_planners, layers, self.device_regions, self.host_regions).merged
-
     def load_parts(self, layers: Sequence[str], host_ids: Ids, device_ids: Ids) -> tuple[CopyPlan, list[int]]:
         """H2D of ``layers`` (one KV-cache group) as one plan and each layer's bounds in it; over cross-layer
         caches the plan comes in runs of layers, so layer-wise waits keep their overlap (``sliced_parts``)."""

@@ -179,10 +179,7 @@ class OffloadEngine:
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
                 groups[g] = GroupBlocks(device_ids[: len(ids)], ids, new[: len(ids)])
-        if len(groups) == 1:
-            layers = set(self._group_layer_set[next(iter(groups))])
-        else:
-            layers = set().union(*(self._group_layer_set[g] for g in groups))
+        layers = set().union(*(self._group_layer_set[g] for g in groups))
         job = StoreJob(request_id, groups, layers)
         for g, blocks in groups.items():
             planner = self._save_planner[g]

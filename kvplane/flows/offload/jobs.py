@@ -16,7 +16,6 @@ from kvplane.backend.base import Event
 from kvplane.blocks.groups import Ids, PerGroup, per_group
 from kvplane.descriptors import CopyPlan
 from kvplane.flows.offload.errors import OffloadError
-from kvplane.flows.offload.keyed_pool import ready
 
 
 @dataclass
@@ -61,10 +60,6 @@ def paired(
     """Hashes and device ids per group, checked to pair up one to one."""
     hs: dict[int, list[int]]
     if type(hashes) is list and len(group_ids) == 1:  # one group's hashes as a list: no array round trip
-        if ready(device_ids):  # and its device ids as one int64 array (the engine's usual request)
-            if len(hashes) != len(device_ids):
-                raise _count_error(request_id, group_ids[0], len(hashes), len(device_ids))
-            return {group_ids[0]: (hashes, device_ids)}
         hs = {group_ids[0]: hashes}
     else:
         hs = {g: v.tolist() for g, v in per_group("block_hashes", hashes, group_ids, OffloadError).items()}
@@ -77,13 +72,9 @@ def paired(
     out = {}
     for g in hs:
         if len(hs[g]) != len(ds[g]):
-            raise _count_error(request_id, g, len(hs[g]), len(ds[g]))
+            raise OffloadError(
+                f"request {request_id!r} group {g}: {len(hs[g])} block hashes but {len(ds[g])} device block ids; "
+                f"pass one device block per hashed (full) block"
+            )
         out[g] = (hs[g], ds[g])
     return out
-
-
-def _count_error(request_id: str, group: int, hashes: int, device_ids: int) -> OffloadError:
-    return OffloadError(
-        f"request {request_id!r} group {group}: {hashes} block hashes but {device_ids} device block ids; "
-        f"pass one device block per hashed (full) block"
-    )

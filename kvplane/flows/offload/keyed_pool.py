@@ -21,11 +21,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvplane.blocks.groups import is_ids
 from kvplane.blocks.pool import BlockPool
 from kvplane.descriptors import Int64Array as I64
 from kvplane.errors import BlockError
@@ -38,18 +39,10 @@ except ImportError:
 
 
 _RANGE, _OVER, _FREE = 1, 2, 3  # error kinds the native calls return with the block (or index) at fault
-# int64's dtype (a singleton): ``arr.dtype is INT64`` is one pointer test, where ``arr.dtype == np.int64`` first
-# converts the type into a dtype; with the caches cold at the start of a request every such detour costs
-INT64 = np.dtype(np.int64)
-
-
-def ready(arr: object) -> TypeGuard[I64]:
-    """Whether ``arr`` is already what the native calls take: a 1-D contiguous int64 array (no conversion)."""
-    return type(arr) is np.ndarray and arr.dtype is INT64 and arr.ndim == 1 and arr.flags.c_contiguous
 
 
 def _as_ids(block_ids: Iterable[int]) -> I64:
-    if ready(block_ids):
+    if is_ids(block_ids):
         return block_ids
     ids = block_ids if isinstance(block_ids, np.ndarray) else np.fromiter(block_ids, dtype=np.int64)
     return np.ascontiguousarray(ids, dtype=np.int64).ravel()
@@ -64,7 +57,7 @@ def _integers(arr: npt.NDArray[Any]) -> bool:
 
 def as_hashes(hashes: Sequence[int] | I64) -> I64:
     """Hashes as an int64 array (a list is converted once; an array of another integer type is cast)."""
-    if ready(hashes):
+    if is_ids(hashes):
         return hashes
     if isinstance(hashes, np.ndarray) and _integers(hashes):
         return hashes.astype(np.int64, copy=False).ravel()

@@ -25,10 +25,9 @@ from types import ModuleType
 
 import numpy as np
 
-from kvplane.blocks.groups import Ids
+from kvplane.blocks.groups import INT64, Ids, is_ids
 from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import PlanError
-from kvplane.flows.offload.keyed_pool import INT64, ready
 
 SPARE_PLANS = 4  # plan arrays a PlanBuffers keeps for reuse: one per request in flight covers a step
 SPARE_BYTES = 64 << 20  # ... and never more bytes than this (a 1M-token plan is not kept)
@@ -232,7 +231,7 @@ class LayerPlanner:
 
     @staticmethod
     def _check(side: str, ids: Ids, num_blocks: int) -> None:
-        if _span is not None and ready(ids):
+        if _span is not None and is_ids(ids):
             low, high = _span(ids)  # numpy's reductions cost tens of us of cold code per request
         else:
             low, high = int(ids.min()), int(ids.max())
@@ -244,4 +243,4 @@ class LayerPlanner:
 
 
 def _contiguous(ids: Ids) -> Ids:
-    return ids if ready(ids) else np.ascontiguousarray(ids, np.int64)
+    return ids if is_ids(ids) else np.ascontiguousarray(ids, np.int64)
