@@ -12,7 +12,7 @@ Plan direction: ``plan.src`` is always where bytes come from and ``plan.dst`` wh
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -67,6 +67,12 @@ class Transfer(ABC):
     @abstractmethod
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until done; ``TransferTimeout`` past the deadline, ``TransferFailed`` on failure."""
+
+    def call_when_done(self, wake: Callable[[], None]) -> bool:
+        """Have ``wake()`` called, from any thread, once ``poll`` would return True or raise, so a poller can
+        sleep until then; False when this engine cannot tell (its transfers move only while polled, as NIXL's):
+        nothing is called, and the poller keeps its interval."""
+        return False
 
     @property
     def settled(self) -> bool:

@@ -34,6 +34,8 @@ class MooncakeTransfer(ChunkedTransfer):
         self._move = move
         self._cancelled = threading.Event()
         self._done = threading.Event()
+        self._wake: Callable[[], None] | None = None  # call_when_done's, run as _done is set
+        self._wake_lock = threading.Lock()
         # _unsettled: an engine batch failed, its slices may still be queued in the engine
         self._engine_gone = False
         self._thread = threading.Thread(target=self._run, name=f"kvplane-mooncake-{job.op.lower()}", daemon=True)
@@ -41,7 +43,7 @@ class MooncakeTransfer(ChunkedTransfer):
     # -- caller side --------------------------------------------------------------------------------------
     def start(self) -> None:
         if not self._chunks:
-            self._done.set()
+            self._finish()
             return
         self._thread.start()
 
@@ -75,6 +77,14 @@ class MooncakeTransfer(ChunkedTransfer):
         """Stop after the engine call in flight; Mooncake cannot abort a batch it has started."""
         self._cancelled.set()
 
+    def call_when_done(self, wake: Callable[[], None]) -> bool:
+        with self._wake_lock:
+            if not self._done.is_set():
+                self._wake = wake
+                return True
+        wake()
+        return True
+
     def join(self, timeout_s: float) -> bool:
         return self._done.wait(timeout_s)
 
@@ -90,7 +100,14 @@ class MooncakeTransfer(ChunkedTransfer):
         except Exception as e:  # the binding raised (bad argument, engine torn down): never lose it
             self._error = TransferFailed(f"mooncake {self._op} with {self._peer}: engine raised {e!r}")
         finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._wake_lock:
             self._done.set()
+            wake, self._wake = self._wake, None
+        if wake is not None:
+            wake()
 
     def _move_chunk(self, start: int, stop: int, notify: bytes | None) -> None:
         local = self._local[start:stop].tolist()

@@ -8,6 +8,7 @@ Each test runs once per engine; an engine that does not import here is skipped w
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -242,6 +243,28 @@ def test_notify_reaches_the_peer_only_after_every_written_byte(chunked_rank: Ran
     assert "error" not in seen, seen["error"]
     assert (seen["sender"], seen["msg"], seen["count"]) == (chunked_rank.transport.peer_info().name, note, 1)
     assert seen["sha256"] == expected_after_write(peer_initial, chunked_rank.buf, moves)
+
+
+def test_call_when_done_wakes_a_poller_once_the_transfer_can_be_retired(rank: Rank, shared_peer: Peer,
+                                                                      peer_initial: np.ndarray) -> None:
+    """Mooncake's transfers end on a thread of their own and say so; NIXL's move only while polled, so they
+    say they cannot and nothing is called. A wake registered after the end comes at once."""
+    moves = scatter(seed=4, count=1100, nbytes=SHARED_BYTES)
+    rank.buf[:] = 0
+    woken = threading.Event()
+    transfer = rank.transport.submit(rank.peer, "READ", moves.plan("READ", rank.base, shared_peer.base))
+    tells = transfer.call_when_done(woken.set)
+    transfer.wait(ERROR_BOUND_S)
+    assert tells == isinstance(rank.transport, MooncakeTransport)
+    if tells:
+        assert woken.wait(ERROR_BOUND_S), "the transfer ended and never called the wake it was given"
+        late = threading.Event()
+        assert transfer.call_when_done(late.set) and late.is_set()
+    else:
+        assert not woken.is_set()
+    bad = [i for i, (loff, roff, n) in enumerate(moves.ranges())
+           if not np.array_equal(rank.buf[loff:loff + n], peer_initial[roff:roff + n])]
+    assert not bad, f"{len(bad)} of {len(moves.length)} blocks differ, first {bad[:5]}"
 
 
 # -- refusals -------------------------------------------------------------------------------------------

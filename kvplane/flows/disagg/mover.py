@@ -6,7 +6,8 @@ they held handshakes, heartbeats and every engine call behind a transfer. So a `
 a thread of its own: the loop ``put``s plans (returns at once), and each plan's callback is handed back to the
 loop (``deliver``), where the request's state lives. ``moving`` counts plans put and not yet called back; it
 is read and written on the loop thread only. The thread is not a ``kvplane.runtime.Executor``: it does not
-wait for the next job but polls the transfers in flight, and a fence or a restart may be due with no plan queued.
+wait for the next job but polls the transfers in flight (every ``POLL_S``; transfers that say when they end,
+Mooncake's, wake it instead), and a fence or a restart may be due with no plan queued.
 
 The fence: a plan's callback runs only once the engine can no longer move a byte of it. A transfer that ended
 unsettled (timed out while the engine kept it queued, as over a link that is down) makes the mover reset the
@@ -34,6 +35,7 @@ from kvplane.transports.base import Op, Transport
 
 logger = logging.getLogger("kvplane.disagg")
 POLL_S = 0.0005  # how often transfers in flight are polled; a new plan wakes the thread at once
+WOKEN_POLL_S = 0.05  # the same while every transfer in flight wakes the thread itself as it ends (a safety net)
 RESET_RETRY_S = 1.0
 RESTART_POLL_S = 0.1  # an engine a reset left down is tried this often (the transport keeps its own back-off)
 
@@ -43,7 +45,7 @@ class Mover:
                  deliver: Callable[[Callable[[], None]], object], flow: str = "",
                  on_reset: Callable[[str], None] | None = None) -> None:
         self.flow = flow or ("pull" if op == "READ" else "push")  # the metrics' flow label
-        self._outbox = Outbox(transport, op, max_inflight)
+        self._outbox = Outbox(transport, op, max_inflight, wake=self._kick)
         self._transport = transport
         self._deliver = deliver
         self._on_reset = on_reset
@@ -53,6 +55,7 @@ class Mover:
         self.resets = 0
         self._inbox: deque[tuple[str, CopyPlan, Callback]] = deque()
         self._wake = threading.Condition()
+        self._kicked = False  # a transfer in flight ended since the last pump: poll at once
         self._stopping = False
         self.moving = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -82,6 +85,12 @@ class Mover:
             self._fences.append(done)
             self._wake.notify()
 
+    def _kick(self) -> None:
+        """A transfer says it ended (from the engine's thread): pump now rather than at the next poll."""
+        with self._wake:
+            self._kicked = True
+            self._wake.notify()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         with self._wake:
             self._stopping = True
@@ -99,6 +108,7 @@ class Mover:
                     return
                 items = list(self._inbox)
                 self._inbox.clear()
+                self._kicked = False
             for peer, plan, ended in items:
                 self._outbox.put(peer, plan, ended)
             try:
@@ -114,11 +124,18 @@ class Mover:
                     on_reset = self._on_reset
                     self._deliver(lambda: on_reset("the engine started again"))
             if self._outbox.busy or self._outbox.unsettled or self._fences or self._down:
-                pause = POLL_S if self._outbox.busy else \
-                    RESTART_POLL_S if self._down else max(POLL_S, self._retry_reset_at - time.monotonic())
+                pause = self._pause()
                 with self._wake:
-                    if not self._inbox and not self._stopping:
+                    if not self._inbox and not self._stopping and not self._kicked:
                         self._wake.wait(pause)
+
+    def _pause(self) -> float:
+        """How long the thread sleeps before its next pump, unless a plan, a kick or a stop comes first."""
+        if self._outbox.busy:
+            return POLL_S if self._outbox.polled else WOKEN_POLL_S
+        if self._down:
+            return RESTART_POLL_S
+        return max(POLL_S, self._retry_reset_at - time.monotonic())
 
     def _reset(self) -> None:
         """The fence: reset the engine, then end every parked plan and tell the loop."""

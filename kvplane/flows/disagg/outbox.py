@@ -30,6 +30,7 @@ Callback = Callable[[KvplaneError | None], None]
 class _Batch:
     transfer: Transfer
     callbacks: list[Callback]
+    wakes: bool = False  # the transfer calls the outbox's wake when it ends: no need to poll it often
 
 
 @dataclass
@@ -39,8 +40,10 @@ class _Peer:
 
 
 class Outbox:
-    def __init__(self, transport: Transport, op: Op, max_inflight: int) -> None:
+    def __init__(self, transport: Transport, op: Op, max_inflight: int,
+                 wake: Callable[[], None] | None = None) -> None:
         self.transport, self.op, self.max_inflight = transport, op, max_inflight
+        self._wake = wake  # handed to each transfer: called once it can be retired (engines that can tell)
         self._peers: dict[str, _Peer] = {}
         self.unsettled: list[tuple[_Batch, KvplaneError | None]] = []
 
@@ -56,6 +59,11 @@ class Outbox:
         return any(p.queued or p.inflight for p in self._peers.values())
 
     @property
+    def polled(self) -> bool:
+        """Whether something in flight must be polled to learn it ended (its transfer cannot wake the owner)."""
+        return any(not b.wakes for p in self._peers.values() for b in p.inflight)
+
+    @property
     def moving(self) -> int:
         """Plans queued or in flight, unsettled ones included."""
         parked = sum(len(b.callbacks) for b, _ in self.unsettled)
@@ -69,7 +77,15 @@ class Outbox:
                 self._call(callback, error or TransferFailed(why))
 
     def pump(self) -> None:
-        """Retire finished transfers (callbacks run here), then start what the limits allow."""
+        """Retire finished transfers (callbacks run here), start what the limits allow, and retire again: an
+        engine that copies inside ``submit`` (NIXL over cma, same host) has finished the new ones already, and
+        their requests should not wait a poll interval to learn it."""
+        if self._pass():
+            self._pass()
+
+    def _pass(self) -> bool:
+        """One pass of ``pump``: retire, then start; whether it started a transfer."""
+        started = False
         for peer, state in self._peers.items():
             still = []
             for batch in state.inflight:
@@ -94,7 +110,10 @@ class Outbox:
                     for callback in callbacks:
                         self._call(callback, e)
                     continue
-                state.inflight.append(_Batch(transfer, callbacks))
+                wakes = self._wake is not None and transfer.call_when_done(self._wake)
+                state.inflight.append(_Batch(transfer, callbacks, wakes))
+                started = True
+        return started
 
     @staticmethod
     def _outcome(transfer: Transfer) -> tuple[bool, KvplaneError | None]:
