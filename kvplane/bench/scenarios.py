@@ -65,8 +65,10 @@ def _sweeps(layouts: dict[str, str] | None, variant: str) -> list[Scenario]:
         for m in MODELS:
             for pattern in ("scatter", "runs"):
                 rows += [pd.scenario(e, m, op, pattern, layouts, variant) for op in ("READ", "WRITE")]
-            if not variant:  # between processes over cross-layer tensors (the 2x goal is Qwen3's 10k READ here)
-                rows += [pd.scenario(e, m, op, variant=XL, cross_layer=True) for op in ("READ", "WRITE")]
+            if not variant:  # between processes over cross-layer tensors (the 2x goal is Qwen3's 10k READ here),
+                # with scattered block ids and with a fresh request's runs (consecutive blocks coalesce further)
+                for pattern in ("scatter", "runs"):
+                    rows += [pd.scenario(e, m, op, pattern, variant=XL, cross_layer=True) for op in ("READ", "WRITE")]
                 rows += [pd_flow.scenario(e, m, mode, variant=XL, cross_layer=True) for mode in ("push", "layerwise")]
             rows += [pd_flow.scenario(e, m, mode, "runs", layouts, variant) for mode in pd_flow.MODES]
     if store.available():

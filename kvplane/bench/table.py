@@ -16,7 +16,7 @@ KINDS = ("offload", "overhead", "pd", "store", "plan", "calls")
 TITLES = {
     "offload": "offload: one request through OffloadEngine; baseline contiguous copy_ of the same bytes",
     "overhead": "overhead: the same requests with copies stubbed out (kvplane's own work; goal < 1 ms CPU)",
-    "pd": "pd: prefill done -> KV ready (pd-flow) or transport only (pd); baseline raw engine, 1 desc/block",
+    "pd": "pd: prefill done -> KV ready (pull/push/layerwise), or transport only (read/write); vs raw engine",
     "store": "store: Mooncake Store tier put/get; baseline raw batch_put_from / batch_get_into",
     "plan": "plan: plan_transfer in ms; baseline bare numpy descriptor arithmetic",
     "calls": "calls: get_finished p99 per rep while a transfer is in flight; baseline the same call idle",
@@ -32,9 +32,7 @@ def label(r: BenchResult) -> str:
     p = r.params
     parts = [SHORT.get(str(p.get("model", "")), str(p.get("model", "")))]
     if r.kind in ("pd", "calls"):
-        parts.append(r.transport)
-        if r.scenario.startswith("pd-") and not r.scenario.startswith("pd-flow-"):
-            parts.append("raw")  # the transport alone, no flow around it
+        parts.append(r.transport)  # the flow's rows say pull/push/layerwise, the transport's alone read/write
     for key in ("direction", "mode", "op"):
         if key in p:
             parts.append(str(p[key]).lower())

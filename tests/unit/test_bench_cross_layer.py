@@ -83,4 +83,4 @@ def test_the_table_labels_a_cross_layer_row_apart_from_its_per_layer_twin() -> N
         return label(make_result("pd-nixl-qwen3-0.6b-read", "pd", "cpu", "nixl", 1, samples, "raw", True, 1,
                                  {"model": "qwen3-0.6b", "op": "READ", "cache": cache}))
 
-    assert row("cross-layer") == "qwen3 nixl raw read xl" and row("per-layer") == "qwen3 nixl raw read"
+    assert row("cross-layer") == "qwen3 nixl read xl" and row("per-layer") == "qwen3 nixl read"
