@@ -20,6 +20,7 @@ appended to both lists, named with the suffix.
 from __future__ import annotations
 
 from kvplane.bench import engine_calls, local_copy, offload, overhead, pd, pd_flow, plan_build, store
+from kvplane.bench.block_ids import Pattern
 from kvplane.bench.scenario import Scenario
 from kvplane.errors import KvplaneError
 
@@ -27,6 +28,7 @@ MODELS = ("qwen3-0.6b", "deepseek-v3")
 ENGINES = ("mooncake", "nixl")
 DEFAULT_PD_TOKENS = 1_000  # the default run's P/D rows (fixed costs dominate its time); --full: 10k
 
+PATTERNS: tuple[Pattern, ...] = ("scatter", "runs")  # block ids: random, or a fresh request's runs
 XL = "-xl"  # the name suffix of a row over vLLM's cross-layer tensors (one tensor for all layers, both sides)
 
 # (name suffix, layouts by family): extra layouts measured beside the backend's own, e.g.
@@ -63,12 +65,12 @@ def _sweeps(layouts: dict[str, str] | None, variant: str) -> list[Scenario]:
             rows += [local_copy.scenario(m, d, bt, layouts, variant) for bt in local_copy.BLOCK_TOKENS]
     for e in ENGINES:
         for m in MODELS:
-            for pattern in ("scatter", "runs"):
+            for pattern in PATTERNS:
                 rows += [pd.scenario(e, m, op, pattern, layouts, variant) for op in ("READ", "WRITE")]
             if not variant:  # between processes over cross-layer tensors (the 2x goal is Qwen3's 10k READ here),
                 # with scattered block ids and with a fresh request's runs (consecutive blocks coalesce further)
-                for pattern in ("scatter", "runs"):
-                    rows += [pd.scenario(e, m, op, pattern, variant=XL, cross_layer=True) for op in ("READ", "WRITE")]
+                for xl_ids in PATTERNS:
+                    rows += [pd.scenario(e, m, op, xl_ids, variant=XL, cross_layer=True) for op in ("READ", "WRITE")]
                 rows += [pd_flow.scenario(e, m, mode, variant=XL, cross_layer=True) for mode in ("push", "layerwise")]
             rows += [pd_flow.scenario(e, m, mode, "runs", layouts, variant) for mode in pd_flow.MODES]
     if store.available():

@@ -8,24 +8,50 @@ from one prefill rank, chosen per request (``plan.heads.replica_rank``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from kvplane.blocks.groups import Ids
 from kvplane.kv.manifest import Manifest
-from kvplane.plan.heads import source_ranks
+from kvplane.plan.heads import replica_rank, source_ranks
 from kvplane.plan.planner import REPLICATED_FAMILIES, TransferPlan, plan_transfer, staging_bytes_needed
+
+# per layer of a destination, in order: the source ranks holding its heads, or None where every rank holds them
+# all (replicated: one rank per request). Keyed by (id of the manifest, source TP), the manifest held with it.
+LayerSources = list[tuple[str, tuple[int, ...] | None]]
+_SOURCES: OrderedDict[tuple[int, int], tuple[Manifest, LayerSources]] = OrderedDict()
+_SOURCES_KEPT = 64
 
 
 def layers_by_source(dst: Manifest, src_tp: int, request_id: str) -> dict[int, list[str]]:
     """``{prefill rank: layer names}`` this decode rank needs from each prefill rank (ranks it needs nothing
-    from are absent)."""
+    from are absent). The head arithmetic is done once per manifest and source TP; per request only the
+    replicated layers' rank is chosen."""
+    replica = replica_rank(request_id, src_tp)
     out: dict[int, list[str]] = {}
-    for layer in dst.spec.layers:
-        replicated = layer.family in REPLICATED_FAMILIES
-        heads = dst.regions_of(layer.name)[0].heads * (1 if replicated else dst.tp_size)
-        for rank in source_ranks(dst.rank, dst.tp_size, src_tp, heads, replicated, request_id):
-            out.setdefault(rank, []).append(layer.name)
+    for name, ranks in _layer_sources(dst, src_tp):
+        for rank in ranks if ranks is not None else (replica,):
+            out.setdefault(rank, []).append(name)
     return out
+
+
+def _layer_sources(dst: Manifest, src_tp: int) -> LayerSources:
+    key = (id(dst), src_tp)
+    hit = _SOURCES.get(key)
+    if hit is not None and hit[0] is dst:
+        _SOURCES.move_to_end(key)
+        return hit[1]
+    sources: LayerSources = []
+    for layer in dst.spec.layers:
+        if layer.family in REPLICATED_FAMILIES:
+            sources.append((layer.name, None))
+            continue
+        heads = dst.regions_of(layer.name)[0].heads * dst.tp_size
+        sources.append((layer.name, tuple(source_ranks(dst.rank, dst.tp_size, src_tp, heads, False, ""))))
+    _SOURCES[key] = (dst, sources)
+    while len(_SOURCES) > _SOURCES_KEPT:
+        _SOURCES.popitem(last=False)
+    return sources
 
 
 def tokens_by_group(manifest: Manifest, num_tokens: int) -> dict[int, int]:
