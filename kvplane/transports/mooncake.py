@@ -9,9 +9,10 @@ started by Mooncake Store's ``setup``, is outside this).
 Mooncake's Python binding has no non-blocking batch status (``get_batch_transfer_status`` blocks until the batch
 ends or Mooncake's own timeout), so each submitted plan runs on a worker thread: chunks of at most ``max_batch``
 descriptors (Mooncake's tcp transport refuses more than 1024 queued per peer), one chunk per peer at a time, each
-retried with back-off. ``notify`` rides on the last chunk (``batch_transfer_sync`` with a ``TransferNotify``),
-which Mooncake posts to the peer only once that batch has completed, and the last chunk starts only after every
-earlier one completed.
+retried with back-off. That status call loops on the engine's status without sleeping, holding a core while the
+batch moves, so the worker first sleeps through most of the batch's expected time (``pacing``). ``notify`` rides
+on the last chunk (``batch_transfer_sync`` with a ``TransferNotify``), which Mooncake posts to the peer only once
+that batch has completed, and the last chunk starts only after every earlier one completed.
 
 ``reset`` is the fence for batches Mooncake may still move after their status call gave up: it waits for the
 engine calls in flight to return (bounded by Mooncake's own timeout), destroys the engine (its TCP sessions
@@ -30,6 +31,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib import metadata
@@ -43,6 +45,7 @@ from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, Transport
 from kvplane.transports.batching import Deadline, check_op, check_plan, check_spans
 from kvplane.transports.chunked import Job
 from kvplane.transports.mooncake_transfer import NOT_SUBMITTED, MooncakeTransfer
+from kvplane.transports.pacing import Pace
 from kvplane.transports.restarts import RestartBackoff
 
 INSTALL_HINT = (
@@ -110,6 +113,8 @@ class MooncakeTransport(Transport):
         self._closed = False
         self.generation = 0  # resets so far: peer_info() differs after each
         self._restarts = RestartBackoff()
+        self._pace = Pace()  # how long a waiter sleeps before Mooncake's spinning status call
+        self._stop_sleeping = threading.Event()  # set by close and reset: a waiter's head start ends at once
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -206,10 +211,18 @@ class MooncakeTransport(Transport):
                 note = self._mc.TransferNotify(self._self_name, notify.decode("latin-1"))
                 return int(engine.batch_transfer_sync(peer, local, remote, lengths, opcode, note))
             start = engine.batch_transfer_async_read if op == "READ" else engine.batch_transfer_async_write
+            submitted = time.monotonic()
             batch = start(peer, local, remote, lengths)
             if not batch:  # 0: the engine could not open the peer's segment or refused the batch
                 return NOT_SUBMITTED
-            return int(engine.get_batch_transfer_status([batch]))
+            nbytes = sum(lengths)
+            head_start_s = self._pace.head_start_s(peer, nbytes, len(lengths))
+            if head_start_s:  # the status call spins a core: leave it to the engine for most of the batch
+                self._stop_sleeping.wait(head_start_s)
+            rc = int(engine.get_batch_transfer_status([batch]))
+            if rc == 0:
+                self._pace.observe(peer, nbytes, len(lengths), time.monotonic() - submitted)
+            return rc
 
     def raw_move(self, peer: str, op: Op, plan: CopyPlan) -> None:
         """The engine's own batch call (``batch_transfer_sync_read``/``_write``) on ``engine_limit`` descriptors
@@ -250,6 +263,7 @@ class MooncakeTransport(Transport):
                 return
             self._closed = True
             transfers, self._transfers = self._transfers, []
+        self._stop_sleeping.set()
         for transfer in transfers:  # an engine call in flight must end before its memory goes
             transfer.cancel()
         drain = Deadline.after(self.config.timeout_s + 5)  # Mooncake ends each call by its own timeout
@@ -268,7 +282,11 @@ class MooncakeTransport(Transport):
             transfer.cancel()
         bound_s = max(5, math.ceil(self.config.timeout_s)) + 5  # past Mooncake's own status timeout
         drain = Deadline.after(bound_s)
-        lingering = [t for t in transfers if not t.join(drain.remaining())]
+        self._stop_sleeping.set()
+        try:
+            lingering = [t for t in transfers if not t.join(drain.remaining())]
+        finally:
+            self._stop_sleeping.clear()
         if lingering:
             with self._lock:
                 self._transfers = lingering + self._transfers
@@ -279,6 +297,7 @@ class MooncakeTransport(Transport):
         with self._lock:
             engine, self._engine = self._engine, None
             self._restarts.clear()
+        self._pace.forget()
         if engine is not None:
             if self._spans:
                 engine.batch_unregister_memory([a for a, _ in self._spans])
