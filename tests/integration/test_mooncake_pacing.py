@@ -48,8 +48,12 @@ def engines() -> Iterator[tuple[MooncakeTransport, MooncakeTransport, CopyPlan, 
 
 def ends_within(bound_s: float, call: Callable[[], None]) -> None:
     done = threading.Event()
-    thread = threading.Thread(target=lambda: (call(), done.set()), daemon=True)
-    thread.start()
+
+    def run() -> None:
+        call()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
     assert done.wait(bound_s), f"{call} did not return within {bound_s} s"
 
 
