@@ -4,13 +4,20 @@ counts only with the request's token. Real sides on 127.0.0.1, a lease far longe
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from pair import Engine, make, push_params, small_spec, token_for
+from rank_pool import spawn
 
 LONG: dict[str, Any] = {"lease_s": 600.0, "push_timeout_s": 600.0}
+SPEC = small_spec()
 
 
 @pytest.fixture
@@ -49,3 +56,63 @@ def test_a_push_declined_before_it_registered_frees_the_prefills_blocks(sides: t
     prefill.side.request_finished("r5", prefill.allocate(40), 40, token=token_for("r5"))
     decode.side.decline(params)
     assert prefill.wait("r5", within_s=20.0).state == "failed"
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_a_decline_whose_handshake_failed_is_sent_with_the_next_successful_handshake(
+    tmp_path: Path, engine: str
+) -> None:
+    """The prefill (its own process) is stopped while the decode declines two of its requests, so the handshake the
+    decline started times out. The Cancels are kept, and go with the next handshake that succeeds (a later
+    decline's): the prefill frees both requests long before their 600 s lease (on main the first two were
+    dropped with the failed handshake and held until the lease)."""
+    worker = spawn(tmp_path / "prefill.log")
+    decode = make("decode", SPEC, engine=engine, handshake_timeout_s=1.0, **LONG)
+    try:
+        reply = worker.ask(cmd="setup_cache", role="prefill", spec=msgspec.msgpack.encode(SPEC), layout="packed_kv",
+                           num_blocks=64, seed=2, config={"engine_id": "prefill-stopped", "transport": engine,
+                                                          "heartbeat_s": 0.5, **LONG})
+        assert "error" not in reply, reply
+        held = {rid: worker.ask(cmd="hold", request_id=rid, table={0: list(range(3 * i, 3 * i + 3))},
+                                num_tokens=40)["params"] for i, rid in enumerate(("r1", "r2", "r3"))}
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        try:
+            decode.side.decline(held["r1"])
+            decode.side.decline(held["r2"])
+            wait_failed = time.monotonic() + 20.0
+            while not any(c.state == "failed" for c in list(decode.side._conns.values())):
+                assert time.monotonic() < wait_failed, "the handshake to the stopped prefill never failed"
+                time.sleep(0.01)
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        # A new handshake: right after the stop the prefill may still be checking the stale one, or not yet see its
+        # connection gone, and refuse it; declining r3 again tries again, until one handshake succeeds.
+        end = time.monotonic() + 30.0
+        while worker.ask(cmd="wait", request_id="r3", within=0.5)["state"] == "none":
+            assert time.monotonic() < end, "no handshake with the resumed prefill succeeded"
+            decode.side.decline(held["r3"])
+        for rid in ("r3", "r1", "r2"):
+            done = worker.ask(cmd="wait", request_id=rid, within=20.0)
+            assert done["state"] == "failed" and "gave the request up" in done["reason"], (rid, done)
+        assert worker.ask(cmd="held")["held"] == 0
+    finally:
+        decode.close()
+        worker.kill()
+
+
+def test_declines_kept_for_later_are_bounded_per_rank_and_in_ranks_and_age_out() -> None:
+    from kvplane.flows.disagg.declines import PendingDeclines
+    from kvplane.flows.disagg.limits import MAX_DECLINE_PEERS, MAX_DECLINES
+    from kvplane.flows.disagg.messages import Cancel
+
+    pending = PendingDeclines(horizon_s=60.0)
+    for i in range(MAX_DECLINES + 5):
+        pending.add(("127.0.0.1", 1), Cancel(f"r{i}", "d", 0, token_for(f"r{i}")), now=float(i) / 1000)
+    assert len(pending) == MAX_DECLINES  # the oldest 5 went
+    for port in range(2, MAX_DECLINE_PEERS + 2):
+        pending.add(("127.0.0.1", port), Cancel("x", "d", 0, token_for("x")), now=100.0)
+    assert len(pending) == MAX_DECLINE_PEERS  # port 1 went: it was declined to longest ago
+    assert pending.take(("127.0.0.1", 1), now=100.0) == []
+    pending.add(("127.0.0.1", 7), Cancel("y", "d", 0, token_for("y")), now=150.0)
+    assert [c.request_id for c in pending.take(("127.0.0.1", 7), now=170.0)] == ["y"]  # "x" is past the horizon
+    assert pending.take(("127.0.0.1", 7), now=170.0) == []  # taken once
