@@ -131,8 +131,10 @@ class DecodeSide(SideLifecycle):
         watch_side(self, "decode")
 
     def close(self) -> None:
-        super().close()
+        """The re-layout executor first, while the loop runs: a running re-layout ends (and its chunk's end is
+        reported) before the loop stops and the local KV closes, so none writes after that; then the rest."""
         self._starter.close()
+        super().close()
 
     # -- engine-facing ------------------------------------------------------------------------------------
     def start_pull(
