@@ -112,7 +112,10 @@ def test_declines_kept_for_later_are_bounded_per_rank_and_in_ranks_and_age_out()
     for port in range(2, MAX_DECLINE_PEERS + 2):
         pending.add(("127.0.0.1", port), Cancel("x", "d", 0, token_for("x")), now=100.0)
     assert len(pending) == MAX_DECLINE_PEERS  # port 1 went: it was declined to longest ago
-    assert pending.take(("127.0.0.1", 1), now=100.0) == []
+    assert pending.take(("127.0.0.1", 1), now=100.0, boot_id="b1") == []
     pending.add(("127.0.0.1", 7), Cancel("y", "d", 0, token_for("y")), now=150.0)
-    assert [c.request_id for c in pending.take(("127.0.0.1", 7), now=170.0)] == ["y"]  # "x" is past the horizon
-    assert pending.take(("127.0.0.1", 7), now=170.0) == []  # taken once
+    assert [c.request_id for c in pending.take(("127.0.0.1", 7), 170.0, "b1")] == ["y"]  # "x" is past the horizon
+    assert pending.take(("127.0.0.1", 7), now=170.0, boot_id="b1") == []  # taken once
+    for boot in ("b1", "b2", ""):  # a pull's names the lifetime holding it; a push's names none yet
+        pending.add(("127.0.0.1", 8), Cancel(f"of-{boot}", "d", 0, token_for(boot)), now=200.0, boot_id=boot)
+    assert [c.request_id for c in pending.take(("127.0.0.1", 8), 200.0, "b2")] == ["of-b2", "of-"]

@@ -321,7 +321,7 @@ class DecodeSide(SideLifecycle):
             if conn.state == "ready":
                 channel.send(conn.socket, cancel, self.counters)
             else:  # sent with the next handshake with that rank that succeeds (a failed one keeps it)
-                self._declines.add((conn.host, conn.port), cancel, time.monotonic())
+                self._declines.add((conn.host, conn.port), cancel, time.monotonic(), p.remote_boot_id)
 
     def _on_abort(self, request_id: str) -> None:
         want = self._wants.get(request_id)
@@ -434,7 +434,8 @@ class DecodeSide(SideLifecycle):
             self._conn_failed(conn, "too many transports being connected at once")
 
     def _conn_ready(self, conn: Conn) -> None:
-        for cancel in self._declines.take((conn.host, conn.port), time.monotonic()):
+        boot = conn.record.boot_id if conn.record is not None else ""
+        for cancel in self._declines.take((conn.host, conn.port), time.monotonic(), boot):
             channel.send(conn.socket, cancel, self.counters)
         for rid in list(conn.waiting):
             want = self._wants.get(rid)
