@@ -7,14 +7,17 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-from pair import Engine, make, push_params, small_spec, token_for
+from pair import Engine, free_port_run, make, push_params, ready_prefill_ranks, small_spec, token_for
 from rank_pool import spawn
+
+from kvplane.kv.spec import KVSpec
 
 LONG: dict[str, Any] = {"lease_s": 600.0, "push_timeout_s": 600.0}
 SPEC = small_spec()
@@ -119,3 +122,44 @@ def test_declines_kept_for_later_are_bounded_per_rank_and_in_ranks_and_age_out()
     for boot in ("b1", "b2", ""):  # a pull's names the lifetime holding it; a push's names none yet
         pending.add(("127.0.0.1", 8), Cancel(f"of-{boot}", "d", 0, token_for(boot)), now=200.0, boot_id=boot)
     assert [c.request_id for c in pending.take(("127.0.0.1", 8), 200.0, "b2")] == ["of-b2", "of-"]
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_a_push_aborted_while_a_prefill_rank_still_handshakes_cancels_there_once_the_handshake_succeeds(
+    tmp_path: Path, engine: str
+) -> None:
+    """A TP-2 prefill: rank 0 in this process, rank 1 its own process, stopped while the decode registers a push,
+    so only rank 0 has handshaken when the decode aborts (still in CONNECT). Rank 0 is cancelled at once; rank 1
+    once its handshake, answered after it resumes, succeeds: both free the request long before their 600 s push
+    timeout (on main rank 1 got no Cancel and held it until then)."""
+    share = KVSpec.gqa(4, 2, 32, tokens_per_block=16, dtype="float32")  # one rank's 2 of small_spec's 4 heads
+    base, boot, eid = free_port_run(2), uuid.uuid4().hex[:8], f"prefill-{uuid.uuid4().hex[:6]}"
+    common = {"engine_id": eid, "boot_id": boot, "tp_size": 2, "port": base, "transport": engine, **LONG}
+    worker = spawn(tmp_path / "rank1.log")
+    rank0 = make("prefill", share, seed=4, rank=0, **common)
+    decode = make("decode", small_spec(), engine=engine, handshake_timeout_s=30.0, **LONG)
+    try:
+        reply = worker.ask(cmd="setup_cache", role="prefill", spec=msgspec.msgpack.encode(share), layout="packed_kv",
+                           num_blocks=64, seed=5, config={**common, "rank": 1, "heartbeat_s": 0.5})
+        assert "error" not in reply, reply
+        rank0.side.request_finished("p", rank0.allocate(40), 40, token=token_for("p"))
+        worker.ask(cmd="hold", request_id="p", table={0: [0, 1, 2]}, num_tokens=40, token=token_for("p"))
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        try:
+            decode.side.register_push("d", push_params(base, "p", eid, tp=2), decode.allocate(40), 40)
+            end = time.monotonic() + 20.0
+            while ready_prefill_ranks(decode) < 1:  # rank 0 answered; rank 1 cannot
+                assert time.monotonic() < end, "rank 0 never finished its handshake"
+                time.sleep(0.005)
+            decode.side.abort("d")
+            assert decode.wait("d").state == "failed"
+            assert rank0.wait("p", within_s=20.0).state == "failed"
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        done = worker.ask(cmd="wait", request_id="p", within=20.0)
+        assert done["state"] == "failed" and "gave the request up" in done["reason"], done
+        assert worker.ask(cmd="held")["held"] == 0 and rank0.side.held_requests() == 0
+    finally:
+        decode.close()
+        rank0.close()
+        worker.kill()

@@ -1,15 +1,18 @@
 """A push-mode decode request that gives up while still in ``CONNECT`` (a handshake with another prefill rank
-failed, the client aborted, its deadline passed) sends ``Cancel`` to every prefill rank it handshook with, so
-those ranks free the request's blocks at once instead of at their lease's or push timeout's end.
+failed, the client aborted, its deadline passed) sends ``Cancel`` to every prefill rank: at once to those it
+handshook with, and to one still handshaking (or whose handshake failed) once a handshake with it succeeds, as
+``DecodeSide`` keeps declines. So every rank it reaches frees the request's blocks at once instead of at its lease's
+or push timeout's end.
 
 The real decode machine (``DecodeRequest``) against the real prefill machines (``HeldRequest``, one per prefill
 rank, carried out as ``PrefillSide`` does: ``test_pd_machines_joint.RealPrefill``), over a channel that reorders
 but never loses (a lost message is what the lease is for). Hypothesis interleaves the handshakes, a failing one,
 the prefill engine's hand-over on each rank (before or after the Cancel), heartbeats, the decode waiting for
 staging room (``Start`` answered ``no_room``: it stays in ``CONNECT`` with every rank ready), its give-up, the
-delivery order and a clock that stays far below the lease. Once the prefill engine handed the request over
-everywhere and every message was delivered, each rank the decode had handshaken with when it gave up has released
-the request ``failed``, without the lease or push timeout passing.
+delivery order and a clock that stays far below the lease; a handshake may also succeed after the request gave
+up (the connection outlives it). Once the prefill engine handed the request over everywhere and every message was
+delivered, each rank the decode got a handshake through to has released the request ``failed``, without the lease
+or push timeout passing (a rank never reached frees at its push timeout: nothing can be sent to it).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class CancelInConnect(RuleBasedStateMachine):
         self.views = {r: RankView("waiting", f"127.0.0.1:{5600 + r}") for r in range(self.tp)}
         self.wire: list[tuple[int, object]] = []
         self.handed: set[int] = set()
-        self.told: set[int] | None = None  # the ranks ready when the decode gave up
+        self.queued: dict[int, list[object]] = {r: [] for r in range(self.tp)}  # DecodeSide's kept declines
+        self.reached: set[int] = set()  # ranks a handshake got through to, before or after the give-up
         self.reports: list[Report] = []
 
     # -- the decode shell, as DecodeSide._run does it --------------------------------------------------------
@@ -57,26 +61,31 @@ class CancelInConnect(RuleBasedStateMachine):
             if isinstance(a, Send):
                 if not a.ready_only or self.views[a.rank].state == "ready":
                     self.wire.append((a.rank, a.message))
+                elif a.later:
+                    self.queued[a.rank].append(a.message)
             elif isinstance(a, Start):  # every rank is ready: the staging arena is full for now
                 self.run(self.machine.no_room())
             elif isinstance(a, Report):
                 self.reports.append(a)
             else:
                 assert isinstance(a, GiveStaging | Note), f"{a} in CONNECT"
-        if self.told is None and self.machine.verdict is not None:
+        if self.machine.verdict is not None:
             assert self.machine.phase is Phase.REPORTED  # nothing was registered: reported at once
-            self.told = {r for r, v in self.views.items() if v.state == "ready"}
 
     def connecting(self) -> bool:
         return self.machine.phase is Phase.CONNECT and self.machine.verdict is None
 
     # -- rules -----------------------------------------------------------------------------------------------
-    @precondition(lambda self: self.connecting())
     @rule(rank=st.integers(0, 1))
     def a_rank_handshakes(self, rank: int) -> None:
-        if self.views[rank].state == "waiting":
+        """The first handshake, or (after the give-up) a later request's with a rank whose handshake failed."""
+        if self.views[rank].state != "ready":
             self.views[rank] = RankView("ready", self.views[rank].where, "", PREFILL_ENGINE, BOOT)
-            self.run(self.machine.connections(dict(self.views)))
+            self.reached.add(rank)
+            self.wire += [(rank, m) for m in self.queued[rank]]  # DecodeSide._conn_ready
+            self.queued[rank].clear()
+            if self.connecting():
+                self.run(self.machine.connections(dict(self.views)))
 
     @precondition(lambda self: self.connecting())
     @rule(rank=st.integers(0, 1))
@@ -133,12 +142,12 @@ class CancelInConnect(RuleBasedStateMachine):
             if not isinstance(message, Heartbeat):
                 self.replies(self.prefill.receive(rank, message), rank)  # type: ignore[arg-type]
         assert len(self.reports) == 1 and self.reports[0].state != "done", self.reports
-        assert self.told is not None and self.now < HOLD_S
-        for rank in sorted(self.told):
+        assert self.now < HOLD_S
+        for rank in sorted(self.reached):
             released = self.prefill.rank(rank).released.get("p", [])
             assert [c.state for c in released] == ["failed"], \
-                f"prefill rank {rank}, handshaken when the decode gave up, released {released} (it holds the " \
-                f"blocks until its lease)"
+                f"prefill rank {rank}, which a handshake got through to, released {released} (it holds the " \
+                f"blocks until its push timeout)"
             assert "p" not in self.prefill.rank(rank).machines
 
 

@@ -336,6 +336,8 @@ class DecodeSide(SideLifecycle):
                 conn = want.conns[action.rank]
                 if not action.ready_only or (conn.state == "ready" and conn.record is not None):
                     channel.send(conn.socket, action.message, self.counters)
+                elif action.later and isinstance(action.message, Cancel):  # with the rank's next good handshake
+                    self._declines.add((conn.host, conn.port), action.message, time.monotonic())
             elif isinstance(action, Start):
                 self._start(want)
             elif isinstance(action, Relayout):
