@@ -1,9 +1,11 @@
 """Token chunks: how the tokens of one request map onto blocks of two different block sizes.
 
 Both sides cut the request into chunks of ``gcd(src_block, dst_block)`` tokens; chunk ``c`` sits at a known
-block and token offset on each side, and is contiguous in a token-major block on both. A chunk in a ``HOLE`` on
-either side (a position without a block, as out of a sliding window) is left out: nothing moves for it. Everything
-here is numpy arrays, one entry per chunk.
+block and token offset on each side, and is contiguous in a token-major block on both. A chunk whose destination
+is a ``HOLE`` (a position without a block, as out of a sliding window) is left out: nothing moves for it, whatever
+the source holds there. A chunk whose source is a hole but whose destination is a real block is refused
+(``PlanError``): nothing could fill that block, which would keep stale KV the engine then reads as the request's.
+Everything here is numpy arrays, one entry per chunk.
 """
 
 from __future__ import annotations
@@ -42,7 +44,17 @@ def token_chunks(num_tokens: int, src_ids: I64, src_block: int, dst_ids: I64, ds
     count = -(-num_tokens // g)
     first = np.arange(count, dtype=np.int64) * g
     src, dst = src_ids[first // src_block], dst_ids[first // dst_block]
-    if (src == HOLE).any() or (dst == HOLE).any():
+    unfilled = (src == HOLE) & (dst != HOLE)
+    if unfilled.any():
+        c = int(np.argmax(unfilled))
+        pos, tok = int(first[c] // src_block), int(first[c])
+        raise PlanError(
+            f"{where}: source block position {pos} (tokens {tok}..{min(tok + g, num_tokens) - 1}) is a HOLE "
+            f"({HOLE}: the source holds no KV there) but the destination block there is {int(dst[c])}, which "
+            f"would keep stale KV; give the destination a HOLE at that position too (vLLM's null block: serve the "
+            f"same model, with the same sliding window, on both sides), or transfer only tokens the source holds"
+        )
+    if (dst == HOLE).any() or (src == HOLE).any():
         keep = (src != HOLE) & (dst != HOLE)
         first, src, dst, count = first[keep], src[keep], dst[keep], int(keep.sum())
     return Chunks(

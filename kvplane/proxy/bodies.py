@@ -9,6 +9,9 @@ OpenAI server makes it ``cmpl-<X-Request-Id>-<prompt index>`` (completions) or `
 (chat; ``vllm/entrypoints/openai/*/serving.py`` in 0.27.1 and 0.33.0), the engine appends ``-<8 hex>``, and
 kvplane's prefill strips that again (``SchedulerSide.transfer_id``). So a push request carries one prompt; so
 does a pull request, because vLLM's completions answer carries the first prompt's ``kv_transfer_params`` only.
+Every mode serves ``n=1``: a prefill request's KV is received once, and vLLM's decode splits ``n`` into child
+requests that would share one ``kv_transfer_params``, so a client sends ``n`` requests instead (each gets its own
+prefill, and the proxy may spread them over decode instances).
 """
 
 from __future__ import annotations
@@ -46,9 +49,12 @@ def check_request(path: str, body: Any, mode: str) -> dict[str, Any]:
                                                  f"list of {len(prompt)} prompts: send them one by one "
                                                  f"(vLLM answers the first prompt's kv_transfer_params only)")
     n = body.get("n", 1)
-    if mode != "pull" and n != 1:
-        raise ProxyError(400, "bad_request", f"'n' is {n!r}; --mode {mode} serves n=1 (one prefill request "
-                                             f"per decode request)")
+    if n != 1:  # pull too: vLLM's n child requests would all receive the one prefill request's KV
+        again = f"send {n} requests with n=1" if isinstance(n, int) and not isinstance(n, bool) and n > 1 \
+            else "leave it out or give n=1"
+        raise ProxyError(400, "bad_request", f"'n' is {n!r}; --mode {mode} serves n=1: one prefill request holds "
+                                             f"one copy of the prompt's KV, which one decode request receives; "
+                                             f"{again} (each gets its own prefill)")
     return body
 
 

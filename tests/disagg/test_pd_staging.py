@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 from kvref import canonical
-from pair import Engine, make, prefill_ranks, push_params, token_for
+from pair import Engine, make, prefill_ranks, push_params, token_for, watched_local_kv
 
+from kvplane.flows.disagg import decode as decode_module
 from kvplane.flows.disagg import decode_start, staged_pull
 from kvplane.kv.spec import KVSpec
 
@@ -301,8 +302,9 @@ def test_a_push_waiting_for_staging_room_is_sized_once(monkeypatch: pytest.Monke
         prefill.close()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_chunk_whose_relayout_is_dropped_at_close_fails_the_pull_instead_of_hanging(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, engine: str
 ) -> None:
     """The other way a closing side loses a re-layout: queued behind a running one when the executor closes
     and drops what has not begun. That chunk must end too (on main at cbeed0c nothing ever called it back)."""
@@ -322,8 +324,9 @@ def test_a_chunk_whose_relayout_is_dropped_at_close_fails_the_pull_instead_of_ha
     monkeypatch.setattr(staged_pull, "apply_relayout", held_relayout)
     monkeypatch.setattr(staged_pull.StagedPull, "_read", counted_read)
     spec = mla(16)
-    prefill = make("prefill", spec, "mla_fused", seed=9)
-    decode = make("decode", spec, "mla_split", staging_bytes=2 * source_block_bytes(16))  # two one-block slots
+    prefill = make("prefill", spec, "mla_fused", seed=9, engine=engine)
+    decode = make("decode", spec, "mla_split", engine=engine,
+                  staging_bytes=2 * source_block_bytes(16))  # two one-block slots
     try:
         p_ids = prefill.allocate(TOKENS)
         decode.side.start_pull("r", prefill.side.request_finished("r", p_ids, TOKENS), decode.allocate(TOKENS))
@@ -339,5 +342,44 @@ def test_a_chunk_whose_relayout_is_dropped_at_close_fails_the_pull_instead_of_ha
         assert prefill.wait("r").state == "failed"
     finally:
         release.set()
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_close_ends_a_running_relayout_before_the_local_kv_closes_and_reports_its_chunk(
+    monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """``DecodeSide.close`` while a staged chunk is being re-laid out: the re-layout executor closes (and the
+    running re-layout ends) before the loop stops and the ``LocalKV`` closes, so no re-layout writes after the
+    local KV closed, and the chunk's end is still reported. On main the loop, the transfer thread and the local KV
+    closed first: the re-layout wrote after that, and the request was never reported."""
+    watched, built = watched_local_kv()
+    monkeypatch.setattr(decode_module, "LocalKV", watched)
+    real, entered, local_closed_at_write = staged_pull.apply_relayout, threading.Event(), []
+
+    def relayout_during_close(*args: Any) -> None:
+        entered.set()
+        end = time.monotonic() + 30
+        # hang guard only: whichever of the two closes comes first decides
+        while not (relayouts.closed or built[-1].closes):
+            assert time.monotonic() < end, "the side never began to close"
+            time.sleep(0.001)
+        local_closed_at_write.append(built[-1].closes > 0)
+        real(*args)
+
+    monkeypatch.setattr(staged_pull, "apply_relayout", relayout_during_close)
+    spec = mla(16)
+    prefill = make("prefill", spec, "mla_fused", seed=9, engine=engine)
+    decode = make("decode", spec, "mla_split", engine=engine, staging_bytes=64 * source_block_bytes(16))
+    relayouts = decode.side._starter.relayouts
+    try:
+        p_ids = prefill.allocate(16)
+        decode.side.start_pull("r", prefill.side.request_finished("r", p_ids, 16), decode.allocate(16))
+        assert entered.wait(20), "the staged chunk never reached its re-layout"
+        decode.close()
+        assert local_closed_at_write and not any(local_closed_at_write)  # one entry per layer re-laid out
+        assert "r" in decode.collect()  # reported before the loop stopped (done: its one chunk landed)
+    finally:
         decode.close()
         prefill.close()

@@ -173,9 +173,20 @@ def test_a_400_from_the_prefill_goes_back_with_its_status_and_no_fallback(bad: P
              "prompt too long")
 
 
-def test_push_refuses_n_above_1(bad: Proc) -> None:
-    status, answer = run(bad, "ok", "ok", {"model": "tiny", "prompt": "hi", "n": 2}, mode="push")
-    error_of(status, answer, 400, "'n'")
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_n_above_1_is_refused_in_every_mode_naming_the_field_and_the_fix(bad: Proc, mode: str) -> None:
+    """Pull too: one prefill request holds one copy of the prompt's KV, and its ``kv_transfer_params`` name that
+    one request; vLLM's decode splits ``n`` into child requests that share those params (a shallow copy of the
+    sampling params), so every child would receive the same prefill request, which is freed after the first.
+    On main the pull went through: one prefill call, and a decode body with n=2 and that one request's params."""
+    status, answer = run(bad, "ok", "ok", {"model": "tiny", "prompt": "hi", "n": 2}, mode=mode)
+    error_of(status, answer, 400, "'n' is 2", f"--mode {mode}", "send 2 requests with n=1")
+
+
+def test_n_of_1_still_goes_through_in_pull(bad: Proc) -> None:
+    status, answer = run(bad, "ok", "ok", {"model": "tiny", "prompt": "hi", "n": 1})
+    assert status == 200, answer
+    assert answer["echo"]["body"]["n"] == 1 and answer["echo"]["body"]["kv_transfer_params"]
 
 
 def test_a_body_over_the_size_limit_is_a_413_json_error(bad: Proc) -> None:

@@ -1,5 +1,6 @@
 """Holes in a block table (``HOLE``, -1: a position without a block, as a sliding-window group's positions out of
-the window): nothing moves for their tokens, whichever side has them, and every other token lands exactly.
+the window): nothing moves for a token in a destination hole, and every other token lands exactly. A token in a
+source hole whose destination is a real block is refused (that block would keep stale KV).
 
 vLLM hands such positions to a connector as its null block; the connector passes them on as holes
 (``tests/vllm/test_vllm_hybrid_pd.py`` runs that under vLLM's own Scheduler)."""
@@ -42,7 +43,7 @@ def per_token(ids: np.ndarray, block: int, n: int) -> np.ndarray:
     layout=st.sampled_from(GQA_LAYOUTS),
     seed=st.integers(0, 1000),
 )
-def test_tokens_in_a_hole_on_either_side_are_left_and_every_other_token_lands(
+def test_tokens_in_a_destination_hole_are_left_every_other_token_lands_and_a_source_only_hole_is_refused(
     n: int, src_block: int, dst_block: int, src_holes: int, dst_holes: int, layout: str, seed: int
 ) -> None:
     src = Rank("gqa", layout, 1, 0, src_block, NUM_BLOCKS, seed=1)
@@ -50,6 +51,12 @@ def test_tokens_in_a_hole_on_either_side_are_left_and_every_other_token_lands(
     s_ids, d_ids = table(n, src_block, src_holes, seed), table(n, dst_block, dst_holes, seed + 1)
     spare = np.setdiff1d(np.arange(NUM_BLOCKS), d_ids[d_ids != HOLE])
     before = {name: dst.tokens(name, spare, 10**6) for name in dst.spec.layer_names}
+    unfilled = ~per_token(s_ids, src_block, n) & per_token(d_ids, dst_block, n)
+    if unfilled.any():
+        pos = int(np.argmax(unfilled)) // src_block
+        with pytest.raises(PlanError, match=rf"group 0: source block position {pos} .* HOLE .* stale KV"):
+            plan_transfer(src.manifest, dst.manifest, {0: s_ids}, {0: d_ids}, {0: n})
+        return
     tp = plan_transfer(src.manifest, dst.manifest, {0: s_ids}, {0: d_ids}, {0: n})
     cpu.execute(tp.plan)
     moved = per_token(s_ids, src_block, n) & per_token(d_ids, dst_block, n)
@@ -69,6 +76,14 @@ def test_chunks_in_a_hole_are_left_out() -> None:
     assert (ch.count, ch.tokens) == (6, 8)
     assert ch.src_block.tolist() == [5, 5, 6, 6, 7, 7] and ch.src_token.tolist() == [0, 8, 0, 8, 0, 8]
     assert ch.dst_block.tolist() == [2, 3, 4, 5, 6, 7] and not ch.dst_token.any()
+
+
+def test_a_chunk_in_a_source_hole_over_a_real_destination_block_is_refused_naming_group_position_and_fix() -> None:
+    with pytest.raises(PlanError, match=r"group 1: source block position 1 \(tokens 16\.\.23\) is a HOLE .* "
+                                        r"destination block there is 3, .* stale KV; give the destination a HOLE"):
+        token_chunks(64, np.array([HOLE, HOLE, 6, 7]), 16, np.array([HOLE, HOLE, 3, 4, 5, 6, 7, 8]), 8, "group 1")
+    # past num_tokens (outside the transfer window) a source hole is not read
+    assert token_chunks(16, np.array([4, HOLE]), 16, np.array([3, 5]), 16, "group 1").count == 1
 
 
 def test_a_layer_that_must_be_staged_refuses_holes_naming_the_fix() -> None:

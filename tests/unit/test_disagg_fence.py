@@ -114,18 +114,20 @@ def _push_connecting() -> DecodeRequest:
     return m
 
 
-def test_a_push_aborted_before_it_registered_cancels_on_the_ranks_that_handshook() -> None:
+def test_a_push_aborted_before_it_registered_cancels_on_every_rank() -> None:
     """Rank 0 may hold the request's blocks: it must be told at once, not left to its lease (main at cbeed0c
-    reported without a Cancel)."""
+    reported without a Cancel); rank 1, still handshaking, once its handshake succeeds."""
     out = _push_connecting().abort()
-    assert out == [Send(0, Cancel("p-r", "decode", 0, "tok"), ready_only=True), GiveStaging(),
-                   Report("failed", "aborted on the decode instance")]
+    cancel = Cancel("p-r", "decode", 0, "tok")  # rank 1 gets it once its handshake succeeds
+    assert out == [Send(0, cancel, ready_only=True, later=True), Send(1, cancel, ready_only=True, later=True),
+                   GiveStaging(), Report("failed", "aborted on the decode instance")]
 
 
-def test_a_problem_on_a_push_before_it_registered_cancels_on_the_ranks_that_handshook() -> None:
+def test_a_problem_on_a_push_before_it_registered_cancels_on_every_rank() -> None:
     out = _push_connecting().problem(0, "request is no longer held")
-    assert out == [Send(0, Cancel("p-r", "decode", 0, "tok"), ready_only=True), GiveStaging(),
-                   Report("failed", "prefill rank 0: request is no longer held")]
+    cancel = Cancel("p-r", "decode", 0, "tok")
+    assert out == [Send(0, cancel, ready_only=True, later=True), Send(1, cancel, ready_only=True, later=True),
+                   GiveStaging(), Report("failed", "prefill rank 0: request is no longer held")]
 
 
 def test_the_docs_list_exactly_the_machines_transitions() -> None:

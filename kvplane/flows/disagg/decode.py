@@ -50,6 +50,7 @@ from kvplane.errors import KvplaneError, TransferTimeout
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
+from kvplane.flows.disagg.declines import PendingDeclines
 from kvplane.flows.disagg.decode_actions import (
     Action,
     Fence,
@@ -63,7 +64,6 @@ from kvplane.flows.disagg.decode_actions import (
 from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase, RankView
 from kvplane.flows.disagg.decode_start import Starter
 from kvplane.flows.disagg.errors import DisaggError, RelayoutError
-from kvplane.flows.disagg.limits import MAX_DECLINES
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
@@ -111,6 +111,7 @@ class DecodeSide(SideLifecycle):
         self._by_remote: dict[tuple[str, str], str] = {}  # (prefill engine id, its request id) -> ours
         self._out = Published()
         self._active: set[str] = set()  # the engine thread's view: started and not yet reported
+        self._declines = PendingDeclines(max(config.lease_s, config.push_timeout_s))  # for ranks not ready yet
         self._next_heartbeat = 0.0
         self._next_check = 0.0
         with ExitStack() as undo:  # keys refused, a part that fails: give back what was built so far, then raise
@@ -130,8 +131,10 @@ class DecodeSide(SideLifecycle):
         watch_side(self, "decode")
 
     def close(self) -> None:
-        super().close()
+        """The re-layout executor first, while the loop runs: a running re-layout ends (and its chunk's end is
+        reported) before the loop stops and the local KV closes, so none writes after that; then the rest."""
         self._starter.close()
+        super().close()
 
     # -- engine-facing ------------------------------------------------------------------------------------
     def start_pull(
@@ -172,8 +175,11 @@ class DecodeSide(SideLifecycle):
 
     def decline(self, params: TransferParams | Mapping[str, Any]) -> None:
         """Tell the prefill ranks named in ``params`` that this rank will never receive the request (it was not
-        started here: ``abort`` ends one that was), so they free its blocks now. Nothing is reported for it; a
-        prefill rank out of reach frees them when its lease or push timeout ends."""
+        started here: ``abort`` ends one that was), so they free its blocks now. Nothing is reported for it. A
+        prefill rank takes a decline only over a connection that handshook: one this rank has no connection to
+        costs a handshake (kept for later requests), and where that fails the decline waits for the next handshake
+        with the rank that succeeds (``declines.py``); a rank never reached frees at its lease's or push timeout's
+        end."""
         p = params if isinstance(params, TransferParams) else TransferParams.from_dict(params)
         if not p.kvplane_token:
             raise DisaggError(
@@ -314,8 +320,8 @@ class DecodeSide(SideLifecycle):
             conn = self._conn(p.remote_host, p.remote_port + rank, rank, p.remote_boot_id)
             if conn.state == "ready":
                 channel.send(conn.socket, cancel, self.counters)
-            elif len(conn.declines) < MAX_DECLINES:  # sent once it is ready (a failed handshake drops them)
-                conn.declines.append(cancel)
+            else:  # sent with the next handshake with that rank that succeeds (a failed one keeps it)
+                self._declines.add((conn.host, conn.port), cancel, time.monotonic(), p.remote_boot_id)
 
     def _on_abort(self, request_id: str) -> None:
         want = self._wants.get(request_id)
@@ -330,6 +336,8 @@ class DecodeSide(SideLifecycle):
                 conn = want.conns[action.rank]
                 if not action.ready_only or (conn.state == "ready" and conn.record is not None):
                     channel.send(conn.socket, action.message, self.counters)
+                elif action.later and isinstance(action.message, Cancel):  # with the rank's next good handshake
+                    self._declines.add((conn.host, conn.port), action.message, time.monotonic())
             elif isinstance(action, Start):
                 self._start(want)
             elif isinstance(action, Relayout):
@@ -428,8 +436,8 @@ class DecodeSide(SideLifecycle):
             self._conn_failed(conn, "too many transports being connected at once")
 
     def _conn_ready(self, conn: Conn) -> None:
-        declines, conn.declines = conn.declines, []
-        for cancel in declines:
+        boot = conn.record.boot_id if conn.record is not None else ""
+        for cancel in self._declines.take((conn.host, conn.port), time.monotonic(), boot):
             channel.send(conn.socket, cancel, self.counters)
         for rid in list(conn.waiting):
             want = self._wants.get(rid)
@@ -437,7 +445,7 @@ class DecodeSide(SideLifecycle):
                 self._connections(want)
 
     def _conn_failed(self, conn: Conn, reason: str) -> None:
-        conn.state, conn.error, conn.deferred, conn.declines = "failed", reason, False, []
+        conn.state, conn.error, conn.deferred = "failed", reason, False  # its declines wait for the next one
         logger.warning("decode rank %d: prefill rank at %s:%d: %s", self.config.rank, conn.host, conn.port, reason)
         for rid in list(conn.waiting):
             want = self._wants.get(rid)

@@ -17,11 +17,13 @@ ToPrefill = ReadDone | Cancel | PushRegister | Heartbeat
 @dataclass(frozen=True)
 class Send:
     """Send ``message`` to prefill rank ``rank`` of the request (``ready_only``: only if its connection is ready
-    now; a connection being handshaken again is skipped)."""
+    now; a connection being handshaken again is skipped, unless ``later``: then it goes once a handshake with that
+    rank succeeds, as a decline does)."""
 
     rank: int
     message: ToPrefill
     ready_only: bool = False
+    later: bool = False
 
 
 @dataclass(frozen=True)

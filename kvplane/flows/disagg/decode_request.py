@@ -306,8 +306,10 @@ class DecodeRequest:
 
     def _give_up(self) -> list[Action]:
         """A verdict in ``CONNECT`` (a deadline, a failed handshake, a plan that failed, an abort, a ``Problem``):
-        a push was not registered yet, so a ``Cancel`` goes to every rank that handshook, which frees its blocks
-        now rather than at its lease. A pull's ranks are told by the ``ReadDone`` of the report."""
+        a push was not registered yet, so a ``Cancel`` goes to every prefill rank, which frees its blocks now
+        rather than at its push timeout: at once where the connection is ready, else once a handshake with the
+        rank succeeds (one still under way, or a later one). A pull's ranks are told by the ``ReadDone`` of the
+        report."""
         if self.ident.mode != "push":
             return []
-        return [Send(r, self._cancel(), ready_only=True) for r in sorted(self.boots)]
+        return [Send(r, self._cancel(), ready_only=True, later=True) for r in range(self.ident.prefill_ranks)]

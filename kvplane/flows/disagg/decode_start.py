@@ -11,6 +11,7 @@ the request into the range the registration names, and the protocol has no per-c
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ from kvplane.runtime.executor import Executor
 if TYPE_CHECKING:
     from kvplane.flows.disagg.decode import DecodeSide
 
+logger = logging.getLogger("kvplane.disagg")
 Direct = dict[int, TransferPlan | None]  # per prefill rank: the plan of its layers that land directly
 WHOLE = (0, 1 << 62)  # plan as if the whole request had one range: only the sizes and offsets are read
 
@@ -48,8 +50,12 @@ class Starter:
         self.relayouts = Executor(f"kvplane-decode-{side.config.rank}-relayout")
 
     def close(self) -> None:
-        """Drop re-layouts not begun (the side is closing: nobody reports them), and let a running one end."""
-        self.relayouts.close(discard_pending=True, timeout_s=5.0)
+        """Drop re-layouts not begun (their chunks end failed), and wait for a running one to end; a device that
+        hangs it is logged after ``transfer_timeout_s``, and the side closes anyway."""
+        timeout_s = self.side.config.transfer_timeout_s
+        if not self.relayouts.close(discard_pending=True, timeout_s=timeout_s):
+            logger.error("decode rank %d: a re-layout of staged blocks did not end within transfer_timeout_s=%s; "
+                         "closing the side with it still running", self.side.config.rank, timeout_s)
 
     def start(self, want: Want) -> set[int] | None:
         """Plan the request, take its staging room and submit its READs (pull) or send its registration (push):

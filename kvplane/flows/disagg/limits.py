@@ -19,7 +19,8 @@ from collections import OrderedDict
 MAX_EARLY = 4096  # requests a prefill rank keeps word of before the engine hands them over (all peers)
 REPLIES_PER_S = 200.0  # problem replies per second per decode connection, warnings per side (burst: as many)
 MAX_PEERS = 1024  # decode connections whose reply budget is kept (the least recently used one goes first)
-MAX_DECLINES = 4096  # declines a decode rank keeps for one prefill rank still handshaking (more wait for the lease)
+MAX_DECLINES = 4096  # declines a decode rank keeps for one prefill rank not connected yet (the oldest go first)
+MAX_DECLINE_PEERS = 256  # prefill ranks a decode rank keeps declines for (the least recently declined to goes first)
 
 
 class RateLimit:

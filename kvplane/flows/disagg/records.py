@@ -13,7 +13,7 @@ import zmq
 from kvplane.blocks.groups import Ids
 from kvplane.descriptors import CopyPlan
 from kvplane.flows.disagg.decode_request import DecodeRequest
-from kvplane.flows.disagg.messages import Cancel, PushRegister
+from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord
 from kvplane.flows.disagg.staging_chunks import Chunk
@@ -37,7 +37,6 @@ class Conn:
     error: str = ""
     waiting: set[str] = field(default_factory=set)
     stages: dict[tuple[str, ...], bool] = field(default_factory=dict)
-    declines: list[Cancel] = field(default_factory=list)  # requests this rank declined, sent once it is ready
 
 
 @dataclass(frozen=True)

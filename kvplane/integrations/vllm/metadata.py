@@ -34,6 +34,7 @@ class Receive:
     params: dict[str, Any]
     block_ids: Groups
     num_tokens: int
+    refused: str = ""  # why these params cannot be this request's: the worker fails the receive and declines them
 
 
 @dataclass

@@ -87,8 +87,9 @@ class SchedulerSide:
         return RANDOM_SUFFIX.sub("", request_id) if self.config.mode != "pull" else request_id
 
     def _remote_tokens(self, request: Any) -> int:
-        """The prompt tokens a remote prefill holds (all of them where the params say nothing usable; a receive
-        with malformed params then fails on the worker, and vLLM's failure policy ends or recomputes it)."""
+        """The prompt tokens a remote prefill holds (all of them where the params say nothing usable, or more
+        than the prompt: such a receive fails on the worker, see ``_refusal``, and vLLM's failure policy ends or
+        recomputes it). Fewer than the prompt are a prefix: loaded, and the rest computed here."""
         held = request.kv_transfer_params.get("remote_num_tokens")
         if held is None:
             return int(request.num_prompt_tokens)
@@ -98,6 +99,18 @@ class SchedulerSide:
             logger.warning("kvplane: request %s has kv_transfer_params remote_num_tokens=%r, not a token count; "
                            "its receive will fail", request.request_id, held)
             return int(request.num_prompt_tokens)
+
+    def _refusal(self, request: Any) -> str:
+        """Why a P/D request's params cannot be its own, "" when they can. vLLM's prefill returns the tokens it
+        computed of the request's prompt (``remote_num_tokens = num_computed_tokens``, as its NixlConnector), and
+        the decode gets the same prompt: params holding more tokens than the prompt has come from another prompt,
+        whose first tokens' KV is not this prompt's."""
+        held, prompt = request.kv_transfer_params.get("remote_num_tokens"), int(request.num_prompt_tokens)
+        if not isinstance(held, int) or isinstance(held, bool) or held <= prompt:
+            return ""
+        return (f"kv_transfer_params.remote_num_tokens={held} but the request has {prompt} prompt tokens: the prefill "
+                f"computed another, longer prompt, so its KV is not this request's; forward the kv_transfer_params "
+                f"of this request's own prefill, unchanged (the prefill is told to free its blocks)")
 
     def _groups(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> Groups | None:
         """vLLM's per-group block ids, or None (logged) when they do not name one list per KV-cache group."""
@@ -149,7 +162,9 @@ class SchedulerSide:
                 if not ids:
                     params = {}  # the worker fails a receive without params; vLLM's policy takes it from there
                     ids = {g: list(v) for g, v in enumerate(raw) if g in self.block_sizes}
-                self._meta.receives.append(Receive(rid, dict(params), self._blocks_for(ids, num_tokens), num_tokens))
+                refused = self._refusal(request) if params else ""
+                self._meta.receives.append(Receive(rid, dict(params), self._blocks_for(ids, num_tokens), num_tokens,
+                                                   refused))
                 self._receiving.add(rid)
             return
         loads = num_external_tokens > 0 and self.lookup is not None and bool(ids)

@@ -273,6 +273,9 @@ class WorkerSide:
             )
         mode = r.params.get("kvplane_mode", self.config.mode)
         try:
+            if r.refused:  # params of another request: fail it by vLLM's policy, and let the prefill free now
+                self._decline(r.params)
+                raise KvplaneError(r.refused)
             if mode == "pull":
                 self.decode.start_pull(r.request_id, r.params, r.block_ids, r.num_tokens)
             else:
