@@ -90,6 +90,7 @@ class StoreTier:
         self._io = Executor("kvplane-store-io")  # puts and gets, in order
         self._query = Executor("kvplane-store-query")  # setup, existence checks: never queued behind bulk I/O
         self._buffers: list[tuple[int, int]] = []
+        self._done: set[tuple[int, int]] = set()  # buffers the client took: the real one refuses a second time
         self._registered = False
         self._down_reason: str | None = None
         self._retry_at = 0.0
@@ -199,12 +200,15 @@ class StoreTier:
 
     def _register(self) -> None:
         for ptr, nbytes in self._buffers:
+            if (ptr, nbytes) in self._done:  # registering it again is refused (-600, overlapped memory region)
+                continue
             rc = self._wait(self._query.submit(partial(self._client.register_buffer, ptr, nbytes), "register_buffer"),
                             "register_buffer")
             if rc != 0:
                 if rc is not None:
                     self._degrade(f"register_buffer of {nbytes} B returned {rc}")
                 return
+            self._done.add((ptr, nbytes))
         self._registered = True
 
     # -- calls --------------------------------------------------------------------------------------------
