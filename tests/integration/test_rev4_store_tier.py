@@ -5,7 +5,9 @@ Each test here failed on main before its fix (or is marked xfail naming the defe
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from offload_fakes import Harness, small_spec
@@ -17,6 +19,7 @@ from kvplane.kv.spec import KVSpec
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
+GATE_S = 30.0  # a gate nobody opens gives up after this, so a broken test fails instead of hanging
 
 
 @pytest.fixture(scope="module")
@@ -62,4 +65,53 @@ def test_a_single_group_model_still_registers_once(master: MooncakeMaster) -> No
     try:
         assert h.engine.store is not None and h.engine.store.tier.degradations == 0
     finally:
+        h.engine.close()
+
+
+class SlowPuts:
+    """The real client, its puts held at ``gate`` before they run: a put of many bytes over a slow link."""
+
+    def __init__(self) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.real = MooncakeDistributedStore()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def batch_put_from(self, *args: Any) -> Any:
+        self.gate.wait(GATE_S)
+        return self.real.batch_put_from(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def test_a_get_is_not_timed_out_by_a_slow_put_queued_before_it(master: MooncakeMaster) -> None:
+    # a get used to queue behind every put on one executor and count that wait against its own bound: a burst of
+    # write-through puts turned a healthy store off, and the load missed a prefix the store held
+    client = SlowPuts()
+    settings = {"segment_bytes": 32 * MiB, "local_buffer_bytes": 16 * MiB, "timeout_s": 1.0, "write_through": True,
+                "namespace": "rev4-slow-put", "retry_after_s": 3600.0}
+    h = Harness(small_spec(), host_blocks=4,
+                store_tier=StoreTier(StoreConfig(master.address, **settings), client=client))  # type: ignore[arg-type]
+    try:
+        a, b = block_hashes(range(100, 104), 2), block_hashes(range(200, 204), 2)
+        assert h.store("a", a, [1, 2]) == 2
+        h.engine.wait_idle()  # a is in the store
+        client.gate.clear()  # b's put is slow from here on
+        assert h.store("b", b, [3, 4]) == 2  # its put starts and is slow
+        index = h.engine.index
+        index.release(0, index.allocate(0, 2))  # a leaves the host tier (another request took its blocks)
+        assert index.cached_prefix(0, a) == 0
+        h.zero([5, 6])
+        tokens = h.engine.start_load("la", a, [5, 6])  # the get runs while b's put is still going
+        client.gate.set()
+        for name in h.spec.layer_names:
+            h.engine.wait_for_layer(name)
+        h.engine.wait_idle()
+        assert h.engine.store is not None and h.engine.store.tier.degradations == 0
+        assert tokens == 4 and h.holds(5, a[0]) and h.holds(6, a[1])
+        assert h.engine.host_blocks_in_use() == 0
+    finally:
+        client.gate.set()
         h.engine.close()

@@ -3,10 +3,11 @@
 The offload engine puts whole host blocks under their prefix keys (``keys.py``) and gets them back into host
 blocks; both go straight from and into the registered host pool (``batch_put_from`` / ``batch_get_into``).
 
-A store that stops answering must never fail or hang a request. Every Mooncake call runs on one of two daemon
-executors (``kvplane/runtime``: puts and gets on one; setup, existence checks and ``close`` on the other, so a
-lookup never queues behind bulk I/O), and the caller waits at most ``timeout_s`` plus the call's bytes at
-``min_gbps``. The client's health is a value, not a call: a monitor thread asks ``health_check`` every
+A store that stops answering must never fail or hang a request. Every Mooncake call runs on one of three daemon
+executors (``kvplane/runtime``: puts on one, gets on another, setup, existence checks and ``close`` on the third),
+so a lookup never queues behind bulk I/O and a get, which a load waits for, never queues behind puts, which
+nobody waits for (a get behind a burst of write-through puts used to run out its bound and turn a healthy store
+off), and the caller waits at most ``timeout_s`` plus the call's bytes at ``min_gbps``. The client's health is a value, not a call: a monitor thread asks ``health_check`` every
 ``health_interval_s`` and keeps the answer (``StoreTier.healthy``; a thread of its own, a timer rather than a queue
 of calls, so it keeps reporting while a call hangs on the query executor), so a lookup made under the connector's
 worker lock reads it without waiting. A call past its bound, a client that reports itself unhealthy, a call
@@ -87,7 +88,8 @@ class StoreTier:
     def __init__(self, config: StoreConfig, client: Any = None) -> None:
         self.config = config
         self._client = client if client is not None else _load_client_class()()
-        self._io = Executor("kvplane-store-io")  # puts and gets, in order
+        self._io = Executor("kvplane-store-io")  # puts, in order
+        self._gets = Executor("kvplane-store-get")  # gets: a load waits for them, never behind a put
         self._query = Executor("kvplane-store-query")  # setup, existence checks: never queued behind bulk I/O
         self._buffers: list[tuple[int, int]] = []
         self._done: set[tuple[int, int]] = set()  # buffers the client took: the real one refuses a second time
@@ -272,7 +274,8 @@ class StoreTier:
             return [False] * len(keys), None
         k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
         get = partial(self._client.batch_get_into, k, a, s)
-        future = self._io.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]), "batch_get_into")
+        future = self._gets.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]),
+                                   "batch_get_into")
         got = self._wait(future, "batch_get_into", sum(s))
         if got is None:
             return [False] * len(keys), future
@@ -286,6 +289,7 @@ class StoreTier:
         Queued calls still run (a put's blocks stay pinned until its future is done); nothing waits for them."""
         self._stop.set()
         self._io.close(wait=False)
+        self._gets.close(wait=False)
         if self._down_reason is None and self._setup.done():
             closing = self._query.submit(self._client.close, "close")  # after the queries queued before it
             self._query.close(wait=False)
