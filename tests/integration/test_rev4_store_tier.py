@@ -6,6 +6,7 @@ Each test here failed on main before its fix (or is marked xfail naming the defe
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,9 +78,12 @@ class SlowPuts:
         self.real = MooncakeDistributedStore()
         self.gate = threading.Event()
         self.gate.set()
+        self.delays: list[float] = []  # seconds each next put takes before it runs
 
     def batch_put_from(self, *args: Any) -> Any:
         self.gate.wait(GATE_S)
+        if self.delays:
+            time.sleep(self.delays.pop(0))
         return self.real.batch_put_from(*args)
 
     def __getattr__(self, name: str) -> Any:
@@ -114,4 +118,30 @@ def test_a_get_is_not_timed_out_by_a_slow_put_queued_before_it(master: MooncakeM
         assert h.engine.host_blocks_in_use() == 0
     finally:
         client.gate.set()
+        h.engine.close()
+
+
+def test_a_put_is_not_timed_out_by_the_puts_queued_before_it(master: MooncakeMaster) -> None:
+    # puts run one at a time, but each one's deadline was counted from when it was queued: a put that ran well
+    # within its own bound, after a large put that also did, was reported late and turned a healthy store off
+    client = SlowPuts()
+    spec = small_spec()
+    block = spec.bytes_per_token * spec.groups[0].tokens_per_block
+    h = Harness(spec, host_blocks=8, store_tier=StoreTier(StoreConfig(
+        master.address, segment_bytes=32 * MiB, local_buffer_bytes=16 * MiB, write_through=True,
+        namespace="rev4-put-queue", retry_after_s=3600.0, timeout_s=0.5,
+        min_gbps=block / 0.75e9), client=client))  # a block's bytes take 0.75 s at min_gbps
+    try:
+        assert h.engine.pool.block_bytes[0] == block
+        # the first put (4 blocks) may take 0.5 s + 4 x 0.75 s, the second (1 block) 0.5 s + 0.75 s; the first
+        # takes 1.5 s, well within its bound, and the second runs right after it, as quick as the store is
+        client.delays = [1.5]
+        assert h.store("big", block_hashes(range(10, 18), 2), [1, 2, 3, 4]) == 4
+        assert h.store("small", block_hashes(range(20, 22), 2), [5]) == 1
+        h.engine.wait_idle(timeout_s=30.0)  # polls the puts while they run
+        assert h.engine.store is not None and h.engine.store.tier.degradations == 0
+        assert h.engine.host_blocks_in_use() == 0
+        presence = h.engine.store_presence({0: block_hashes(range(20, 22), 2)})
+        assert presence is not None and bool(presence[0].all())
+    finally:
         h.engine.close()

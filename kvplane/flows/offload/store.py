@@ -92,6 +92,7 @@ class StoreTier:
         self._gets = Executor("kvplane-store-get")  # gets: a load waits for them, never behind a put
         self._query = Executor("kvplane-store-query")  # setup, existence checks: never queued behind bulk I/O
         self._buffers: list[tuple[int, int]] = []
+        self._put_tail = 0.0  # the deadline of the last put queued (put_deadline)
         self._done: set[tuple[int, int]] = set()  # buffers the client took: the real one refuses a second time
         self._registered = False
         self._down_reason: str | None = None
@@ -242,7 +243,14 @@ class StoreTier:
         return self._io.submit(recorder().store_call("write", s, lambda: [int(rc) for rc in put()]), "batch_put_from")
 
     def put_deadline(self, nbytes: int) -> float:
-        return time.monotonic() + self._bound(nbytes)
+        """When a put submitted now must be done: its own bound, after the bounds of the puts queued before it
+        (they run one at a time), so a put is never reported late for the time it spent waiting its turn."""
+        self._put_tail = max(time.monotonic(), self._put_tail) + self._bound(nbytes)
+        return self._put_tail
+
+    def bound(self, nbytes: int) -> float:
+        """Seconds a call moving ``nbytes`` may run: ``timeout_s`` plus the bytes at ``min_gbps``."""
+        return self._bound(nbytes)
 
     def check_put(self, write: StoreWrite) -> bool:
         """True once ``write`` is done (its pins may go); degrades when it runs past its deadline or failed."""
