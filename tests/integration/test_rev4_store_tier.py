@@ -5,6 +5,7 @@ Each test here failed on main before its fix (or is marked xfail naming the defe
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -13,8 +14,10 @@ from typing import Any
 import pytest
 from offload_fakes import Harness, small_spec
 
+from kvplane.backend import get_backend
 from kvplane.blocks import block_hashes
 from kvplane.flows.offload import MooncakeMaster, StoreConfig, start_master
+from kvplane.flows.offload.master import free_port
 from kvplane.flows.offload.store import StoreTier
 from kvplane.kv.spec import KVSpec
 
@@ -145,3 +148,35 @@ def test_a_put_is_not_timed_out_by_the_puts_queued_before_it(master: MooncakeMas
         assert presence is not None and bool(presence[0].all())
     finally:
         h.engine.close()
+
+
+def test_a_master_started_after_the_engine_is_used_once_it_is_up(caplog: pytest.LogCaptureFixture) -> None:
+    # the real client's setup holds the GIL while it retries a master that is not there (about 90 s): the whole
+    # process stood still whatever setup_timeout_s said, then the setup failed and was never tried again, so a
+    # master started after the engine was never used
+    port = free_port()
+    with caplog.at_level(logging.WARNING, logger="kvplane.offload.store"):
+        tier = StoreTier(StoreConfig(f"127.0.0.1:{port}", segment_bytes=16 * MiB, local_buffer_bytes=16 * MiB,
+                                     setup_timeout_s=2.0, retry_after_s=0.5, health_interval_s=0.2))
+    master = None
+    try:
+        assert tier.degradations == 1 and not tier.up
+        assert f"master_address='127.0.0.1:{port}' does not accept connections" in caplog.text
+        assert "start it there or fix the address" in caplog.text
+        master = start_master(port=port)
+        deadline = time.monotonic() + 60.0
+        while not tier.up:
+            assert time.monotonic() < deadline, "the store tier never came up after its master started"
+            time.sleep(0.1)
+        buf = get_backend("cpu").alloc_host(1 * MiB)
+        base = int(buf.data_ptr())
+        buf[:4096] = 7
+        tier.register(base, buf.numel())
+        put = tier.put(["rev4/late-master"], [base], [4096])
+        assert put is not None and put.result(30.0) == [0]
+        ok, _ = tier.get(["rev4/late-master"], [base + 8192], [4096])
+        assert ok == [True] and bool((buf[8192 : 8192 + 4096] == 7).all())
+    finally:
+        tier.close()
+        if master is not None:
+            master.stop()

@@ -10,7 +10,6 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
 from realsched import RealEngine, reference_digest  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
 
 PROMPT = [(i * 13 + 5) % 997 for i in range(70)]  # 4 full blocks of 16 and 6 tokens
 OFFLOAD = {"offload": {"host_bytes": 4 << 20, "pinned": False}}

@@ -12,8 +12,9 @@ off), and the caller waits at most ``timeout_s`` plus the call's bytes at ``min_
 of calls, so it keeps reporting while a call hangs on the query executor), so a lookup made under the connector's
 worker lock reads it without waiting. A call past its bound, a client that reports itself unhealthy, a call
 answered with ``RPC_FAIL`` (the real client keeps reporting healthy for about a second after its master dies), or a
-setup that does not finish (against a dead master ``setup`` itself takes about 90 s) turns the tier off with one
-warning; once ``retry_after_s`` has passed and the monitor reports the client healthy, the next call turns it back
+setup that does not finish (against a dead master ``setup`` itself takes about 90 s, holding the GIL: so it is
+called only once the master accepts a TCP connection, and tried again every ``retry_after_s`` until then) turns the
+tier off with one warning; once ``retry_after_s`` has passed and the monitor reports the client healthy, the next call turns it back
 on. A call that timed out may still be running: the caller keeps the host blocks it reads or writes pinned until
 its future completes (``StoreWrite.done``), so a late transfer never sees a reused block.
 """
@@ -21,6 +22,7 @@ its future completes (``StoreWrite.done``), so a late transfer never sees a reus
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -46,6 +48,7 @@ NO_AVAILABLE_HANDLE = -200  # put: no segment has room for the object; the block
 INVALID_PARAMS = -600  # get: the destination is smaller than the object
 OBJECT_NOT_FOUND = -704  # get: a key the store does not hold; a miss, not a failure
 RPC_FAIL = -900  # any call: the master did not answer (killed, restarting, network down)
+MASTER_UNREACHABLE = -10_000  # kvplane's own: setup was not tried, the master accepts no connection
 _PARKED = threading.Event()  # never set: abandoned clients wait on it with the daemon threads that hold them
 
 
@@ -100,16 +103,17 @@ class StoreTier:
         self._health: tuple[bool, str] = (True, "")  # (healthy, why not): written by the monitor thread only
         self._stop = threading.Event()
         self.degradations = 0  # how many times the tier turned itself off (reports and tests)
+        # the real binding's setup holds the GIL until it gives up on a master that does not answer (about 90 s):
+        # no timeout can cut it short, the whole process stands still. So a master that does not accept a TCP
+        # connection is never set up against; such a setup is tried again (on the query executor, waited on by
+        # nobody) each time retry_after_s has passed. An injected client (tests) is set up as it is.
+        self._probe = client is None
+        self._setup_called = False  # setup was called on the client: never again on the same client
+        self._setup_lock = threading.Lock()
+        self._next_setup = 0.0  # when a setup that never reached the client may be tried again
+        self._unreachable = ""  # why the last setup was not tried
         c = config
-        self._setup: Future[int] = self._query.submit(
-            lambda: int(
-                self._client.setup(
-                    c.local_hostname, c.metadata_server, c.segment_bytes, c.local_buffer_bytes, c.protocol,
-                    c.device_name, c.master_address,
-                )
-            ),
-            "setup",
-        )
+        self._setup: Future[int] = self._query.submit(self._run_setup, "setup")
         try:
             rc = self._setup.result(c.setup_timeout_s)
         except FutureTimeout:
@@ -117,7 +121,9 @@ class StoreTier:
         except Exception as e:  # a binding error is as good as unreachable: the host tier carries on
             self._degrade(f"setup with master {c.master_address} raised {e!r}")
         else:
-            if rc != 0:
+            if rc == MASTER_UNREACHABLE:
+                self._degrade(self._unreachable)
+            elif rc != 0:
                 self._degrade(f"setup with master {c.master_address} returned {rc}")
         threading.Thread(target=self._monitor, name="kvplane-store-health", daemon=True).start()
 
@@ -149,14 +155,43 @@ class StoreTier:
             self.refresh_health()
             self._stop.wait(self.config.health_interval_s)
 
+    def _run_setup(self) -> int:
+        c = self.config
+        if self._probe:
+            host, _, port = c.master_address.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=c.setup_timeout_s).close()
+            except OSError as e:
+                self._unreachable = (
+                    f"mooncake_master at StoreConfig.master_address={c.master_address!r} does not accept connections "
+                    f"({e}); start it there or fix the address (setup is tried again every {c.retry_after_s:g} s)"
+                )
+                return MASTER_UNREACHABLE
+        self._setup_called = True
+        return int(self._client.setup(c.local_hostname, c.metadata_server, c.segment_bytes, c.local_buffer_bytes,
+                                      c.protocol, c.device_name, c.master_address))
+
     def _setup_ok(self) -> bool:
         return self._setup.done() and self._setup.exception() is None and self._setup.result() == 0
+
+    def _retry_setup(self) -> None:
+        """Try a setup that never reached the client again, in the background (``up`` turns the tier on once the
+        monitor sees the client healthy)."""
+        with self._setup_lock:
+            now = time.monotonic()
+            if (self._setup.done() and not self._setup_called and not self._setup_ok() and not self._stop.is_set()
+                    and now >= self._next_setup):
+                self._next_setup = now + self.config.retry_after_s
+                self._setup = self._query.submit(self._run_setup, "setup")
+                self._setup.add_done_callback(lambda _: self.refresh_health())  # on at the next call, not a tick later
 
     @property
     def up(self) -> bool:
         """Whether store calls are being made now: reads the monitored health (no call to the client) and
         turns the tier back on once ``retry_after_s`` has passed and the client is healthy again."""
         if self._down_reason is not None and (time.monotonic() < self._retry_at or not self._setup_ok()):
+            if time.monotonic() >= self._retry_at:
+                self._retry_setup()
             return False
         healthy, reason = self._health
         if not healthy:
