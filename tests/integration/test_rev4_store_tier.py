@@ -180,3 +180,41 @@ def test_a_master_started_after_the_engine_is_used_once_it_is_up(caplog: pytest.
         tier.close()
         if master is not None:
             master.stop()
+
+
+class SlowRegistration(SlowPuts):
+    """The real client, its ``register_buffer`` held at ``gate`` (``entered`` is set once a call waits there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_gate = threading.Event()
+        self.entered = threading.Event()
+
+    def register_buffer(self, ptr: int, nbytes: int) -> Any:
+        self.entered.set()
+        self.register_gate.wait(GATE_S)
+        return self.real.register_buffer(ptr, nbytes)
+
+
+def test_a_lookup_while_the_host_pool_registers_does_not_register_it_twice(master: MooncakeMaster) -> None:
+    # the lookup thread (exists, outside the worker's lock) and the thread registering the host pool both saw it
+    # unregistered and both registered it: the real client refuses the second (-600) and the tier turned off
+    client = SlowRegistration()
+    tier = StoreTier(StoreConfig(master.address, segment_bytes=16 * MiB, local_buffer_bytes=16 * MiB,
+                                 timeout_s=10.0, namespace="rev4-register-race", retry_after_s=3600.0), client=client)
+    buf = get_backend("cpu").alloc_host(1 * MiB)
+    try:
+        assert tier.up
+        registering = threading.Thread(target=tier.register, args=(int(buf.data_ptr()), buf.numel()))
+        registering.start()
+        assert client.entered.wait(GATE_S)  # the registration is under way
+        looking = threading.Thread(target=tier.exists, args=(["rev4/any"],))
+        looking.start()  # a lookup arrives meanwhile
+        time.sleep(0.5)  # room for it to reach the client; without it the test passes for the wrong reason
+        client.register_gate.set()
+        registering.join(GATE_S)
+        looking.join(GATE_S)
+        assert tier.degradations == 0 and tier.up
+    finally:
+        client.register_gate.set()
+        tier.close()

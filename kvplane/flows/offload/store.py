@@ -98,6 +98,7 @@ class StoreTier:
         self._put_tail = 0.0  # the deadline of the last put queued (put_deadline)
         self._done: set[tuple[int, int]] = set()  # buffers the client took: the real one refuses a second time
         self._registered = False
+        self._register_lock = threading.Lock()
         self._down_reason: str | None = None
         self._retry_at = 0.0
         self._health: tuple[bool, str] = (True, "")  # (healthy, why not): written by the monitor thread only
@@ -237,17 +238,20 @@ class StoreTier:
             self._register()
 
     def _register(self) -> None:
-        for ptr, nbytes in self._buffers:
-            if (ptr, nbytes) in self._done:  # registering it again is refused (-600, overlapped memory region)
-                continue
-            rc = self._wait(self._query.submit(partial(self._client.register_buffer, ptr, nbytes), "register_buffer"),
-                            "register_buffer")
-            if rc != 0:
-                if rc is not None:
-                    self._degrade(f"register_buffer of {nbytes} B returned {rc}")
-                return
-            self._done.add((ptr, nbytes))
-        self._registered = True
+        with self._register_lock:  # the lookup thread (exists) and the worker's may both find it unregistered
+            for ptr, nbytes in self._buffers:
+                if (ptr, nbytes) in self._done:  # registering it again is refused (-600, overlapped memory region)
+                    continue
+                rc = self._wait(
+                    self._query.submit(partial(self._client.register_buffer, ptr, nbytes), "register_buffer"),
+                    "register_buffer",
+                )
+                if rc != 0:
+                    if rc is not None:
+                        self._degrade(f"register_buffer of {nbytes} B returned {rc}")
+                    return
+                self._done.add((ptr, nbytes))
+            self._registered = True
 
     # -- calls --------------------------------------------------------------------------------------------
     def count_prefix(self, keys: Sequence[str]) -> int:
