@@ -6,11 +6,14 @@ Each test here failed on main before its fix (or is marked xfail naming the defe
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from offload_fakes import Harness, small_spec
 
@@ -18,7 +21,7 @@ from kvplane.backend import get_backend
 from kvplane.blocks import block_hashes
 from kvplane.flows.offload import MooncakeMaster, StoreConfig, start_master
 from kvplane.flows.offload.master import free_port
-from kvplane.flows.offload.store import StoreTier
+from kvplane.flows.offload.store import RPC_TIMEOUT, StoreTier, StoreWrite
 from kvplane.kv.spec import KVSpec
 
 pytestmark = pytest.mark.integration
@@ -218,3 +221,30 @@ def test_a_lookup_while_the_host_pool_registers_does_not_register_it_twice(maste
     finally:
         client.register_gate.set()
         tier.close()
+
+
+def test_a_put_the_client_answers_with_rpc_timeout_turns_the_store_off(caplog: pytest.LogCaptureFixture) -> None:
+    # a master that stops answering (stopped, not dead: its connections stay open) makes the real client answer a
+    # put with RPC_TIMEOUT (-901) after about 30 s; the tier took only RPC_FAIL (-900) for "the master does not
+    # answer", so with a bound above 30 s it logged the put as refused for room and kept sending puts to it
+    own = start_master()
+    tier = StoreTier(StoreConfig(own.address, segment_bytes=16 * MiB, local_buffer_bytes=16 * MiB, timeout_s=120.0,
+                                 namespace="rev4-rpc-timeout", retry_after_s=3600.0))
+    buf = get_backend("cpu").alloc_host(1 * MiB)
+    base = int(buf.data_ptr())
+    try:
+        tier.register(base, buf.numel())
+        os.kill(own.pid, signal.SIGSTOP)
+        put = tier.put(["rev4/stopped"], [base], [4096])
+        assert put is not None
+        codes = put.result(110.0)  # the client gives up first (about 30 s)
+        assert codes == [RPC_TIMEOUT], codes
+        write = StoreWrite(put, time.monotonic() + 120.0, 0, np.zeros(1, dtype=np.int64), 4096)
+        with caplog.at_level(logging.WARNING, logger="kvplane.offload.store"):
+            assert tier.check_put(write)
+        assert tier.degradations == 1 and not tier.up, caplog.text
+        assert "the master does not answer" in caplog.text
+    finally:
+        os.kill(own.pid, signal.SIGCONT)
+        tier.close()
+        own.stop()

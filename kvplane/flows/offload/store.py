@@ -11,7 +11,7 @@ off), and the caller waits at most ``timeout_s`` plus the call's bytes at ``min_
 ``health_interval_s`` and keeps the answer (``StoreTier.healthy``; a thread of its own, a timer rather than a queue
 of calls, so it keeps reporting while a call hangs on the query executor), so a lookup made under the connector's
 worker lock reads it without waiting. A call past its bound, a client that reports itself unhealthy, a call
-answered with ``RPC_FAIL`` (the real client keeps reporting healthy for about a second after its master dies), or a
+answered with ``RPC_FAIL`` or ``RPC_TIMEOUT`` (the real client keeps reporting healthy for about a second after its master dies), or a
 setup that does not finish (against a dead master ``setup`` itself takes about 90 s, holding the GIL: so it is
 called only once the master accepts a TCP connection, and tried again every ``retry_after_s`` until then) turns the
 tier off with one warning; once ``retry_after_s`` has passed and the monitor reports the client healthy, the next call turns it back
@@ -48,6 +48,8 @@ NO_AVAILABLE_HANDLE = -200  # put: no segment has room for the object; the block
 INVALID_PARAMS = -600  # get: the destination is smaller than the object
 OBJECT_NOT_FOUND = -704  # get: a key the store does not hold; a miss, not a failure
 RPC_FAIL = -900  # any call: the master did not answer (killed, restarting, network down)
+RPC_TIMEOUT = -901  # any call: the master took the connection but did not answer in time (stopped, overloaded)
+UNANSWERED = frozenset({RPC_FAIL, RPC_TIMEOUT})  # either turns the tier off: the master does not answer
 MASTER_UNREACHABLE = -10_000  # kvplane's own: setup was not tried, the master accepts no connection
 _PARKED = threading.Event()  # never set: abandoned clients wait on it with the daemon threads that hold them
 
@@ -301,8 +303,9 @@ class StoreTier:
         error = write.future.exception()
         if error is not None:
             self._degrade(f"batch_put_from raised {error!r}")
-        elif any(rc == RPC_FAIL for rc in write.future.result()):
-            self._degrade(f"batch_put_from returned RPC_FAIL ({RPC_FAIL}): the master does not answer")
+        elif lost := sorted({rc for rc in write.future.result() if rc in UNANSWERED}):
+            self._degrade(f"batch_put_from returned {lost} (RPC_FAIL {RPC_FAIL}, RPC_TIMEOUT {RPC_TIMEOUT}): the "
+                          f"master does not answer")
         elif any(rc < 0 for rc in write.future.result()):
             bad = sorted({rc for rc in write.future.result() if rc < 0})
             logger.warning("Mooncake store refused %d put(s) (codes %s); those blocks stay host-only",
@@ -327,7 +330,7 @@ class StoreTier:
         if got is None:
             return [False] * len(keys), future
         ok = [rc == size for rc, size in zip(got, s)]
-        if RPC_FAIL in got or (not any(ok) and got and all(rc < 0 and rc != OBJECT_NOT_FOUND for rc in got)):
+        if UNANSWERED.intersection(got) or (not any(ok) and got and all(rc < 0 and rc != OBJECT_NOT_FOUND for rc in got)):
             self._degrade(f"batch_get_into returned errors {sorted(set(got))[:3]}")
         return ok, future
 
