@@ -75,3 +75,41 @@ def test_a_request_aborted_mid_prefill_while_its_chunks_store_leaves_nothing_beh
     assert engine.first_computed["b"] == 32  # the chunk stored before the abort is a hit
     assert engine.digests["b"] == reference_digest(PROMPT, len(PROMPT), window=window)
     _nothing_held(engine)
+
+
+@pytest.mark.parametrize("window", [0, 32], ids=["one-group", "hybrid"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preempted_requests_resume_with_the_right_kv_and_leave_nothing_behind(
+    model_dir: str, engines: list[RealEngine], window: int, async_scheduling: bool
+) -> None:
+    engine = RealEngine(model_dir, OFFLOAD, sliding_window=window, async_scheduling=async_scheduling,
+                        num_blocks=16 if window else 12)
+    engines.append(engine)
+    prompts = {f"r{i}": [(i * 101 + j * 7) % 997 for j in range(40)] for i in range(3)}
+    for rid, prompt in prompts.items():  # more blocks than vLLM has: some request is preempted
+        engine.add(rid, prompt, max_tokens=30)
+    engine.run_until(lambda: len(engine.outputs) == 3, 120.0)
+    # a preempted request's later forward starts before where its previous one did (vLLM freed its blocks)
+    assert any(any(b < a for a, b in zip(s, s[1:])) for s in engine.starts.values()), engine.starts
+    for rid, prompt in prompts.items():
+        tokens = prompt + [7] * 29
+        assert engine.digests[rid] == reference_digest(tokens, len(tokens), window=window), rid
+    _nothing_held(engine)
+
+
+@pytest.mark.parametrize("chunk", [16, 48])
+def test_a_hybrid_prefix_prefilled_in_chunks_is_a_full_hit_in_both_groups(
+    model_dir: str, engines: list[RealEngine], chunk: int
+) -> None:
+    # the sliding-window group's early blocks leave the window (vLLM frees them) while later chunks run: each
+    # must have been stored in the step that computed it, or the next request's lookup misses in that group
+    engine = RealEngine(model_dir, OFFLOAD, sliding_window=32, max_batched_tokens=chunk)
+    engines.append(engine)
+    engine.add("a", PROMPT)
+    engine.finish("a")
+    _nothing_held(engine)
+    engine.add("b", PROMPT)
+    engine.finish("b")
+    assert engine.first_computed["b"] == 64 and not engine.invalid
+    assert engine.digests["b"] == reference_digest(PROMPT, len(PROMPT), window=32)
+    _nothing_held(engine)
