@@ -37,7 +37,7 @@ def master() -> Iterator[MooncakeMaster]:
 
 
 def tier(address: str, **settings: object) -> StoreTier:
-    base: dict[str, object] = {"segment_bytes": 32 * MiB, "local_buffer_bytes": 16 * MiB, "timeout_s": 2.0}
+    base: dict[str, object] = {"segment_bytes": 32 * MiB, "local_buffer_bytes": 16 * MiB, "timeout_s": 10.0}
     return StoreTier(StoreConfig(address, **{**base, **settings}))  # type: ignore[arg-type]
 
 
@@ -100,7 +100,7 @@ def test_a_get_is_not_timed_out_by_a_slow_put_queued_before_it(master: MooncakeM
     # a get used to queue behind every put on one executor and count that wait against its own bound: a burst of
     # write-through puts turned a healthy store off, and the load missed a prefix the store held
     client = SlowPuts()
-    settings = {"segment_bytes": 32 * MiB, "local_buffer_bytes": 16 * MiB, "timeout_s": 1.0, "write_through": True,
+    settings = {"segment_bytes": 32 * MiB, "local_buffer_bytes": 16 * MiB, "timeout_s": 5.0, "write_through": True,
                 "namespace": "rev4-slow-put", "retry_after_s": 3600.0}
     h = Harness(small_spec(), host_blocks=4,
                 store_tier=StoreTier(StoreConfig(master.address, **settings), client=client))  # type: ignore[arg-type]
@@ -135,13 +135,13 @@ def test_a_put_is_not_timed_out_by_the_puts_queued_before_it(master: MooncakeMas
     block = spec.bytes_per_token * spec.groups[0].tokens_per_block
     h = Harness(spec, host_blocks=8, store_tier=StoreTier(StoreConfig(
         master.address, segment_bytes=32 * MiB, local_buffer_bytes=16 * MiB, write_through=True,
-        namespace="rev4-put-queue", retry_after_s=3600.0, timeout_s=0.5,
-        min_gbps=block / 0.75e9), client=client))  # a block's bytes take 0.75 s at min_gbps
+        namespace="rev4-put-queue", retry_after_s=3600.0, timeout_s=1.0,
+        min_gbps=block / 1.5e9), client=client))  # a block's bytes take 1.5 s at min_gbps
     try:
         assert h.engine.pool.block_bytes[0] == block
-        # the first put (4 blocks) may take 0.5 s + 4 x 0.75 s, the second (1 block) 0.5 s + 0.75 s; the first
-        # takes 1.5 s, well within its bound, and the second runs right after it, as quick as the store is
-        client.delays = [1.5]
+        # the first put (4 blocks) may take 1 s + 4 x 1.5 s, the second (1 block) 1 s + 1.5 s; the first takes
+        # 3.5 s, well within its bound, and the second runs right after it, as quick as the store is
+        client.delays = [3.5]
         assert h.store("big", block_hashes(range(10, 18), 2), [1, 2, 3, 4]) == 4
         assert h.store("small", block_hashes(range(20, 22), 2), [5]) == 1
         h.engine.wait_idle(timeout_s=30.0)  # polls the puts while they run

@@ -40,7 +40,8 @@ def test_a_prefix_the_host_tier_dropped_is_loaded_from_the_store_under_vllms_sch
     model_dir: str, engines: list[RealEngine], master: MooncakeMaster, window: int
 ) -> None:
     store = {"master_address": master.address, "write_through": True, "segment_bytes": 32 * MiB,
-             "local_buffer_bytes": 16 * MiB, "namespace": f"rev4-vllm-{window}", "retry_after_s": 3600.0}
+             "local_buffer_bytes": 16 * MiB, "namespace": f"rev4-vllm-{window}", "retry_after_s": 3600.0,
+             "timeout_s": 10.0}  # a loaded machine is not a store that went away
     engine = RealEngine(model_dir, {"offload": {"host_bytes": 4 << 20, "pinned": False, "store": store}},
                         sliding_window=window)
     engines.append(engine)
