@@ -248,3 +248,28 @@ def test_a_put_the_client_answers_with_rpc_timeout_turns_the_store_off(caplog: p
         os.kill(own.pid, signal.SIGCONT)
         tier.close()
         own.stop()
+
+
+def test_a_registration_that_outlived_its_bound_is_not_refused_forever(master: MooncakeMaster) -> None:
+    # register_buffer ran past its bound (the tier turned off), then completed; each retry registered the buffer
+    # again, which the real client refuses (-600, overlapped memory region), so the tier never came back
+    client = SlowRegistration()
+    tier = StoreTier(StoreConfig(master.address, segment_bytes=16 * MiB, local_buffer_bytes=16 * MiB, timeout_s=1.0,
+                                 namespace="rev4-register-late", retry_after_s=0.5, health_interval_s=0.2),
+                     client=client)
+    buf = get_backend("cpu").alloc_host(1 * MiB)
+    base = int(buf.data_ptr())
+    try:
+        assert tier.up
+        tier.register(base, buf.numel())  # its bound passes while the client holds the call
+        assert tier.degradations == 1
+        client.register_gate.set()  # the registration completes late
+        deadline = time.monotonic() + 30.0
+        while not tier.up:
+            assert time.monotonic() < deadline, "the store tier never came back after a late registration"
+            time.sleep(0.1)
+        put = tier.put(["rev4/late-registration"], [base], [4096])
+        assert put is not None and put.result(30.0) == [0]
+    finally:
+        client.register_gate.set()
+        tier.close()

@@ -101,6 +101,7 @@ class StoreTier:
         self._done: set[tuple[int, int]] = set()  # buffers the client took: the real one refuses a second time
         self._registered = False
         self._register_lock = threading.Lock()
+        self._registering: dict[tuple[int, int], Future[int]] = {}  # each buffer's last register_buffer call
         self._down_reason: str | None = None
         self._retry_at = 0.0
         self._health: tuple[bool, str] = (True, "")  # (healthy, why not): written by the monitor thread only
@@ -244,10 +245,15 @@ class StoreTier:
             for ptr, nbytes in self._buffers:
                 if (ptr, nbytes) in self._done:  # registering it again is refused (-600, overlapped memory region)
                     continue
-                rc = self._wait(
-                    self._query.submit(partial(self._client.register_buffer, ptr, nbytes), "register_buffer"),
-                    "register_buffer",
-                )
+                late = self._registering.get((ptr, nbytes))
+                if late is not None and not late.done():
+                    return  # an earlier call outlived its bound and still runs: registered once it returns
+                if late is not None and late.exception() is None and late.result() == 0:
+                    self._done.add((ptr, nbytes))  # it returned after its bound: registered, never again
+                    continue
+                call = self._query.submit(partial(self._client.register_buffer, ptr, nbytes), "register_buffer")
+                self._registering[(ptr, nbytes)] = call
+                rc = self._wait(call, "register_buffer")
                 if rc != 0:
                     if rc is not None:
                         self._degrade(f"register_buffer of {nbytes} B returned {rc}")
