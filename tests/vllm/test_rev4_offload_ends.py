@@ -5,6 +5,8 @@ halves hold nothing, and the host tier has no block referenced."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
@@ -36,14 +38,15 @@ def test_a_request_aborted_around_its_load_leaves_nothing_behind(
     engines.append(engine)
     _stored_prefix(engine)
     engine.add("b", PROMPT)
-    for _ in range(100):  # as the engine core steps, until the step that loads b's prefix is scheduled
+    end = time.monotonic() + 30.0
+    while True:  # as the engine core steps (the lookup's answer comes from the worker's thread), until b loads
+        assert time.monotonic() < end, "no step loaded b's prefix"
         so = engine.scheduler.schedule()
         engine._track_blocks(so)
         if any(job.request_id == "b" for job in so.kv_connector_metadata.loads):
             break
         engine._execute(so)
-    else:
-        raise AssertionError("no step loaded b's prefix")
+        time.sleep(0.002)
     if when == "before-the-load-runs":  # the client went away between schedule() and the forward (async scheduling)
         engine.abort("b")
         engine._execute(so)
