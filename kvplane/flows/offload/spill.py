@@ -67,8 +67,8 @@ class StoreLink:
         if future is None:
             return
         write = StoreWrite(future, self.tier.put_deadline(sum(sizes)), group, ids, sum(sizes))
-        try:
-            future.result(max(0.0, write.deadline - time.monotonic()))
+        try:  # its own bound at most: puts queued before it do not hold up the allocation any longer
+            future.result(max(0.0, min(write.deadline - time.monotonic(), self.tier.bound(sum(sizes)))))
         except Exception:  # past its bound or failed: check_put degrades; the victims wait for the put
             pass
         if not self.tier.check_put(write):

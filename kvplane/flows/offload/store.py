@@ -3,16 +3,18 @@
 The offload engine puts whole host blocks under their prefix keys (``keys.py``) and gets them back into host
 blocks; both go straight from and into the registered host pool (``batch_put_from`` / ``batch_get_into``).
 
-A store that stops answering must never fail or hang a request. Every Mooncake call runs on one of two daemon
-executors (``kvplane/runtime``: puts and gets on one; setup, existence checks and ``close`` on the other, so a
-lookup never queues behind bulk I/O), and the caller waits at most ``timeout_s`` plus the call's bytes at
-``min_gbps``. The client's health is a value, not a call: a monitor thread asks ``health_check`` every
+A store that stops answering must never fail or hang a request. Every Mooncake call runs on one of three daemon
+executors (``kvplane/runtime``: puts on one, gets on another, setup, existence checks and ``close`` on the third),
+so a lookup never queues behind bulk I/O and a get, which a load waits for, never queues behind puts, which
+nobody waits for (a get behind a burst of write-through puts used to run out its bound and turn a healthy store
+off), and the caller waits at most ``timeout_s`` plus the call's bytes at ``min_gbps``. The client's health is a value, not a call: a monitor thread asks ``health_check`` every
 ``health_interval_s`` and keeps the answer (``StoreTier.healthy``; a thread of its own, a timer rather than a queue
 of calls, so it keeps reporting while a call hangs on the query executor), so a lookup made under the connector's
 worker lock reads it without waiting. A call past its bound, a client that reports itself unhealthy, a call
-answered with ``RPC_FAIL`` (the real client keeps reporting healthy for about a second after its master dies), or a
-setup that does not finish (against a dead master ``setup`` itself takes about 90 s) turns the tier off with one
-warning; once ``retry_after_s`` has passed and the monitor reports the client healthy, the next call turns it back
+answered with ``RPC_FAIL`` or ``RPC_TIMEOUT`` (the real client keeps reporting healthy for about a second after its master dies), or a
+setup that does not finish (against a dead master ``setup`` itself takes about 90 s, holding the GIL: so it is
+called only once the master accepts a TCP connection, and tried again every ``retry_after_s`` until then) turns the
+tier off with one warning; once ``retry_after_s`` has passed and the monitor reports the client healthy, the next call turns it back
 on. A call that timed out may still be running: the caller keeps the host blocks it reads or writes pinned until
 its future completes (``StoreWrite.done``), so a late transfer never sees a reused block.
 """
@@ -20,6 +22,7 @@ its future completes (``StoreWrite.done``), so a late transfer never sees a reus
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -45,6 +48,9 @@ NO_AVAILABLE_HANDLE = -200  # put: no segment has room for the object; the block
 INVALID_PARAMS = -600  # get: the destination is smaller than the object
 OBJECT_NOT_FOUND = -704  # get: a key the store does not hold; a miss, not a failure
 RPC_FAIL = -900  # any call: the master did not answer (killed, restarting, network down)
+RPC_TIMEOUT = -901  # any call: the master took the connection but did not answer in time (stopped, overloaded)
+UNANSWERED = frozenset({RPC_FAIL, RPC_TIMEOUT})  # either turns the tier off: the master does not answer
+MASTER_UNREACHABLE = -10_000  # kvplane's own: setup was not tried, the master accepts no connection
 _PARKED = threading.Event()  # never set: abandoned clients wait on it with the daemon threads that hold them
 
 
@@ -87,25 +93,31 @@ class StoreTier:
     def __init__(self, config: StoreConfig, client: Any = None) -> None:
         self.config = config
         self._client = client if client is not None else _load_client_class()()
-        self._io = Executor("kvplane-store-io")  # puts and gets, in order
+        self._io = Executor("kvplane-store-io")  # puts, in order
+        self._gets = Executor("kvplane-store-get")  # gets: a load waits for them, never behind a put
         self._query = Executor("kvplane-store-query")  # setup, existence checks: never queued behind bulk I/O
         self._buffers: list[tuple[int, int]] = []
+        self._put_tail = 0.0  # the deadline of the last put queued (put_deadline)
+        self._done: set[tuple[int, int]] = set()  # buffers the client took: the real one refuses a second time
         self._registered = False
+        self._register_lock = threading.Lock()
+        self._registering: dict[tuple[int, int], Future[int]] = {}  # each buffer's last register_buffer call
         self._down_reason: str | None = None
         self._retry_at = 0.0
         self._health: tuple[bool, str] = (True, "")  # (healthy, why not): written by the monitor thread only
         self._stop = threading.Event()
         self.degradations = 0  # how many times the tier turned itself off (reports and tests)
+        # the real binding's setup holds the GIL until it gives up on a master that does not answer (about 90 s):
+        # no timeout can cut it short, the whole process stands still. So a master that does not accept a TCP
+        # connection is never set up against; such a setup is tried again (on the query executor, waited on by
+        # nobody) each time retry_after_s has passed. An injected client (tests) is set up as it is.
+        self._probe = client is None
+        self._setup_called = False  # setup was called on the client: never again on the same client
+        self._setup_lock = threading.Lock()
+        self._next_setup = 0.0  # when a setup that never reached the client may be tried again
+        self._unreachable = ""  # why the last setup was not tried
         c = config
-        self._setup: Future[int] = self._query.submit(
-            lambda: int(
-                self._client.setup(
-                    c.local_hostname, c.metadata_server, c.segment_bytes, c.local_buffer_bytes, c.protocol,
-                    c.device_name, c.master_address,
-                )
-            ),
-            "setup",
-        )
+        self._setup: Future[int] = self._query.submit(self._run_setup, "setup")
         try:
             rc = self._setup.result(c.setup_timeout_s)
         except FutureTimeout:
@@ -113,7 +125,9 @@ class StoreTier:
         except Exception as e:  # a binding error is as good as unreachable: the host tier carries on
             self._degrade(f"setup with master {c.master_address} raised {e!r}")
         else:
-            if rc != 0:
+            if rc == MASTER_UNREACHABLE:
+                self._degrade(self._unreachable)
+            elif rc != 0:
                 self._degrade(f"setup with master {c.master_address} returned {rc}")
         threading.Thread(target=self._monitor, name="kvplane-store-health", daemon=True).start()
 
@@ -145,14 +159,43 @@ class StoreTier:
             self.refresh_health()
             self._stop.wait(self.config.health_interval_s)
 
+    def _run_setup(self) -> int:
+        c = self.config
+        if self._probe:
+            host, _, port = c.master_address.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=c.setup_timeout_s).close()
+            except OSError as e:
+                self._unreachable = (
+                    f"mooncake_master at StoreConfig.master_address={c.master_address!r} does not accept connections "
+                    f"({e}); start it there or fix the address (setup is tried again every {c.retry_after_s:g} s)"
+                )
+                return MASTER_UNREACHABLE
+        self._setup_called = True
+        return int(self._client.setup(c.local_hostname, c.metadata_server, c.segment_bytes, c.local_buffer_bytes,
+                                      c.protocol, c.device_name, c.master_address))
+
     def _setup_ok(self) -> bool:
         return self._setup.done() and self._setup.exception() is None and self._setup.result() == 0
+
+    def _retry_setup(self) -> None:
+        """Try a setup that never reached the client again, in the background (``up`` turns the tier on once the
+        monitor sees the client healthy)."""
+        with self._setup_lock:
+            now = time.monotonic()
+            if (self._setup.done() and not self._setup_called and not self._setup_ok() and not self._stop.is_set()
+                    and now >= self._next_setup):
+                self._next_setup = now + self.config.retry_after_s
+                self._setup = self._query.submit(self._run_setup, "setup")
+                self._setup.add_done_callback(lambda _: self.refresh_health())  # on at the next call, not a tick later
 
     @property
     def up(self) -> bool:
         """Whether store calls are being made now: reads the monitored health (no call to the client) and
         turns the tier back on once ``retry_after_s`` has passed and the client is healthy again."""
         if self._down_reason is not None and (time.monotonic() < self._retry_at or not self._setup_ok()):
+            if time.monotonic() >= self._retry_at:
+                self._retry_setup()
             return False
         healthy, reason = self._health
         if not healthy:
@@ -198,14 +241,25 @@ class StoreTier:
             self._register()
 
     def _register(self) -> None:
-        for ptr, nbytes in self._buffers:
-            rc = self._wait(self._query.submit(partial(self._client.register_buffer, ptr, nbytes), "register_buffer"),
-                            "register_buffer")
-            if rc != 0:
-                if rc is not None:
-                    self._degrade(f"register_buffer of {nbytes} B returned {rc}")
-                return
-        self._registered = True
+        with self._register_lock:  # the lookup thread (exists) and the worker's may both find it unregistered
+            for ptr, nbytes in self._buffers:
+                if (ptr, nbytes) in self._done:  # registering it again is refused (-600, overlapped memory region)
+                    continue
+                late = self._registering.get((ptr, nbytes))
+                if late is not None and not late.done():
+                    return  # an earlier call outlived its bound and still runs: registered once it returns
+                if late is not None and late.exception() is None and late.result() == 0:
+                    self._done.add((ptr, nbytes))  # it returned after its bound: registered, never again
+                    continue
+                call = self._query.submit(partial(self._client.register_buffer, ptr, nbytes), "register_buffer")
+                self._registering[(ptr, nbytes)] = call
+                rc = self._wait(call, "register_buffer")
+                if rc != 0:
+                    if rc is not None:
+                        self._degrade(f"register_buffer of {nbytes} B returned {rc}")
+                    return
+                self._done.add((ptr, nbytes))
+            self._registered = True
 
     # -- calls --------------------------------------------------------------------------------------------
     def count_prefix(self, keys: Sequence[str]) -> int:
@@ -236,7 +290,14 @@ class StoreTier:
         return self._io.submit(recorder().store_call("write", s, lambda: [int(rc) for rc in put()]), "batch_put_from")
 
     def put_deadline(self, nbytes: int) -> float:
-        return time.monotonic() + self._bound(nbytes)
+        """When a put submitted now must be done: its own bound, after the bounds of the puts queued before it
+        (they run one at a time), so a put is never reported late for the time it spent waiting its turn."""
+        self._put_tail = max(time.monotonic(), self._put_tail) + self._bound(nbytes)
+        return self._put_tail
+
+    def bound(self, nbytes: int) -> float:
+        """Seconds a call moving ``nbytes`` may run: ``timeout_s`` plus the bytes at ``min_gbps``."""
+        return self._bound(nbytes)
 
     def check_put(self, write: StoreWrite) -> bool:
         """True once ``write`` is done (its pins may go); degrades when it runs past its deadline or failed."""
@@ -248,8 +309,9 @@ class StoreTier:
         error = write.future.exception()
         if error is not None:
             self._degrade(f"batch_put_from raised {error!r}")
-        elif any(rc == RPC_FAIL for rc in write.future.result()):
-            self._degrade(f"batch_put_from returned RPC_FAIL ({RPC_FAIL}): the master does not answer")
+        elif lost := sorted({rc for rc in write.future.result() if rc in UNANSWERED}):
+            self._degrade(f"batch_put_from returned {lost} (RPC_FAIL {RPC_FAIL}, RPC_TIMEOUT {RPC_TIMEOUT}): the "
+                          f"master does not answer")
         elif any(rc < 0 for rc in write.future.result()):
             bad = sorted({rc for rc in write.future.result() if rc < 0})
             logger.warning("Mooncake store refused %d put(s) (codes %s); those blocks stay host-only",
@@ -268,12 +330,13 @@ class StoreTier:
             return [False] * len(keys), None
         k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
         get = partial(self._client.batch_get_into, k, a, s)
-        future = self._io.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]), "batch_get_into")
+        future = self._gets.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]),
+                                   "batch_get_into")
         got = self._wait(future, "batch_get_into", sum(s))
         if got is None:
             return [False] * len(keys), future
         ok = [rc == size for rc, size in zip(got, s)]
-        if RPC_FAIL in got or (not any(ok) and got and all(rc < 0 and rc != OBJECT_NOT_FOUND for rc in got)):
+        if UNANSWERED.intersection(got) or (not any(ok) and got and all(rc < 0 and rc != OBJECT_NOT_FOUND for rc in got)):
             self._degrade(f"batch_get_into returned errors {sorted(set(got))[:3]}")
         return ok, future
 
@@ -282,6 +345,7 @@ class StoreTier:
         Queued calls still run (a put's blocks stay pinned until its future is done); nothing waits for them."""
         self._stop.set()
         self._io.close(wait=False)
+        self._gets.close(wait=False)
         if self._down_reason is None and self._setup.done():
             closing = self._query.submit(self._client.close, "close")  # after the queries queued before it
             self._query.close(wait=False)
