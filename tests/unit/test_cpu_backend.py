@@ -492,17 +492,22 @@ def test_a_worker_stream_dropped_without_close_runs_its_queue_and_ends_its_threa
 
     from kvplane.backend.cpu.streams import WorkerStream
 
-    before = threading.active_count()
-    stream = WorkerStream()
+    name = "test-dropped-stream"  # its own thread, told apart from other tests' threads ending meanwhile
+
+    def alive() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == name]
+
+    stream = WorkerStream(name)
     ran: list[int] = []
     for i in range(3):
         stream.submit(lambda i=i: ran.append(i))
     stream.synchronize()
+    assert alive()
     del stream  # an offload engine's copy streams are never closed: each one used to keep a thread for good
     gc.collect()
     for _ in range(200):
-        if threading.active_count() == before:
+        if not alive():
             break
         threading.Event().wait(0.01)
     assert ran == [0, 1, 2]
-    assert threading.active_count() == before
+    assert not alive()
