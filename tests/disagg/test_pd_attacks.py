@@ -288,3 +288,33 @@ def test_a_silent_listener_named_as_mooncake_peer_does_not_stall_the_prefill(att
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_name_being_checked_is_asked_again_only_on_its_own_connection(attacker: FramedProcess) -> None:
+    """A decode whose handshake timed out asks again on the same connection while the prefill still checks the
+    first (its transport probe hangs here): that is not refused, the one answer covers both; a handshake under the
+    name on another connection is still refused."""
+    prefill = make("prefill", SPEC, seed=3, probe_timeout_s=1.0)
+    try:
+        port = ask(attacker, cmd="silent_listener")["port"]
+        ask(attacker, cmd="setup", spec=msgspec.msgpack.encode(SPEC), num_blocks=16, seed=77, engine="mooncake",
+            engine_id="victim")
+        for name in ("own", "other"):
+            ask(attacker, cmd="connect", port=prefill.side.port, name=name)
+        peer = msgspec.msgpack.encode({"engine": "mooncake", "name": f"127.0.0.1:{port}", "host": "127.0.0.1",
+                                       "port": port, "metadata": b"", "spans": [[1 << 20, 1 << 20]]})
+        ask(attacker, cmd="handshake", name="own", engine_id="victim", peer=peer, within=0.0)
+        checking = prefill.side._admission._probing
+        end = time.monotonic() + 20.0
+        while ("victim", 0) not in checking:  # the prefill took the first handshake: its probe hangs
+            assert time.monotonic() < end, "the prefill never started checking the handshake"
+            time.sleep(0.002)
+        ask(attacker, cmd="handshake", name="own", engine_id="victim", peer=peer, within=0.0)  # asks again
+        reply = ask(attacker, cmd="handshake", name="other", engine_id="victim", peer=peer)
+        assert reply["reply"] == "reject" and "being checked already" in reply["reason"], reply
+        while ("victim", 0) in checking:  # the probe's deadline: the one answer (a Reject: nothing listens)
+            assert time.monotonic() < end, "the hung probe never ended"
+            time.sleep(0.002)
+        assert ask(attacker, cmd="replies", name="own", within=0.5) == {"count": 1, "types": ["reject"]}
+    finally:
+        prefill.close()

@@ -88,12 +88,9 @@ def test_a_decline_whose_handshake_failed_is_sent_with_the_next_successful_hands
                 time.sleep(0.01)
         finally:
             os.kill(worker.proc.pid, signal.SIGCONT)
-        # A new handshake: right after the stop the prefill may still be checking the stale one, or not yet see its
-        # connection gone, and refuse it; declining r3 again tries again, until one handshake succeeds.
-        end = time.monotonic() + 30.0
-        while worker.ask(cmd="wait", request_id="r3", within=0.5)["state"] == "none":
-            assert time.monotonic() < end, "no handshake with the resumed prefill succeeded"
-            decode.side.decline(held["r3"])
+        # A new handshake at once, on the same connection: accepted although the prefill may still be checking the
+        # timed-out one (test_pd_stall.py); no retry is needed
+        decode.side.decline(held["r3"])
         for rid in ("r3", "r1", "r2"):
             done = worker.ask(cmd="wait", request_id=rid, within=20.0)
             assert done["state"] == "failed" and "gave the request up" in done["reason"], (rid, done)

@@ -6,6 +6,11 @@ handshook under that name (``sender``). A record is replaced only by the same co
 connection is proved gone (a send to it fails: the ROUTER refuses unknown identities), so a replayed handshake
 with another rank's engine id cannot take its place; nor can a handshake that names another peer's transport.
 The transport is connected only after these checks, so a refused handshake never touches a working connection.
+
+A decode rank whose handshake timed out (this rank stalled: a GC pause, a long step) handshakes again on the same
+connection. A handshake that comes on the connection whose handshake under that name is still being checked is
+not refused: the latest one is kept and taken once the first is answered (at once when it says the same), so a
+decode that asks again is accepted, while another connection still cannot take the name over.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ class Admission:
                  replaced: Callable[[PeerRecord, str], None], limit: RateLimit) -> None:
         self.local, self.prober, self._send, self._replaced, self._limit = local, prober, send, replaced, limit
         self.peers: dict[Key, PeerRecord] = {}
-        self._probing: set[Key] = set()
+        self._probing: dict[Key, bytes] = {}  # names being checked -> the connection whose handshake it is
+        self._again: dict[Key, Handshake] = {}  # the latest handshake that connection sent meanwhile
 
     def sender(self, identity: bytes, engine_id: str, rank: int) -> PeerRecord | None:
         """The peer record a message claiming ``(engine_id, rank)`` may speak for, or None."""
@@ -54,26 +60,32 @@ class Admission:
             return
         why = self._refusal(key, identity, info)
         if not why and key in self._probing:
-            why = "a handshake under this name is being checked already; retry once it is answered"
+            if self._probing[key] == identity:  # the same connection asking again: answered after the first
+                self._again[key] = hello
+                return
+            why = "a handshake under this name is being checked already on another connection; retry once it is " \
+                  "answered"
         if why:
             self._reject(identity, Reject("peer", "", "", why))
             return
-        self._probing.add(key)
+        self._probing[key] = identity
 
         def connected(handle: str, error: str) -> None:
             self._connected(identity, hello, manifest, info, handle, error)
 
         if not self.prober.connect(info, connected):
-            self._probing.discard(key)
+            self._probing.pop(key, None)
+            self._again.pop(key, None)  # this Reject answers it too
             self._reject(identity, Reject("handshake", "", "", "too many transports being connected; retry"))
 
     def _connected(self, identity: bytes, hello: Handshake, manifest: Manifest, info: PeerInfo, handle: str,
                    error: str) -> None:
         key = (hello.engine_id, hello.rank)
-        self._probing.discard(key)
+        self._probing.pop(key, None)
+        again = self._again.pop(key, None)
         why = f"this prefill rank cannot reach its transport: {error}" if error else \
             self._refusal(key, identity, info)
-        if why:
+        if why:  # the Reject answers a handshake the connection sent meanwhile too: it fails its attempt
             self._reject(identity, Reject("handshake", "", "", why))
             return
         old = self.peers.get(key)
@@ -81,6 +93,8 @@ class Admission:
         if old is not None:
             self._replaced(old, f"decode {hello.engine_id} rank {hello.rank} handshook again (boot {hello.boot_id})")
         self._send(identity, self.local.handshake())
+        if again is not None and (again.boot_id, again.peer) != (hello.boot_id, hello.peer):
+            self.on_handshake(identity, again)  # it said something new (its transport was reset meanwhile)
 
     def _refusal(self, key: Key, identity: bytes, info: PeerInfo) -> str:
         """Why a handshake from ``identity`` may not (yet) stand for ``key``; "" when it may."""

@@ -258,12 +258,14 @@ class DecodeSide(SideLifecycle):
                 (conn.stale or conn.generation != self.local.transport.generation or other_lifetime):
             self._rehandshake(conn)
         if conn is None or conn.state == "failed":
-            if conn is not None:
-                self._loop.unwatch(conn.socket)
-            sock = channel.dealer(self._loop.context, host, port, self.config.max_message_bytes, self._guard.client)
+            # a failed handshake (one that timed out while the prefill stalled, say) is tried again on the same
+            # socket: the prefill knows this rank by the ZMQ connection it handshook on, and a second connection
+            # under this rank's name is refused while the first lives or its handshake is still being checked
+            sock = conn.socket if conn is not None else \
+                channel.dealer(self._loop.context, host, port, self.config.max_message_bytes, self._guard.client)
             conn = Conn(host, port, rank, sock, time.monotonic(), generation=self.local.generation)
             self._conns[(host, port)] = conn
-            self._loop.watch(sock, partial(self._on_readable, conn))
+            self._loop.watch(sock, partial(self._on_readable, conn))  # replaces the failed record's handler
             channel.send(sock, hello, self.counters)
         return conn
 
@@ -397,7 +399,7 @@ class DecodeSide(SideLifecycle):
                     logger.info("decode rank %d: %s for request %s of %s came after the request was reported; "
                                 "dropped", self.config.rank, type(message).__name__, message.request_id, engine)
                 return
-            if message.rank != conn.rank or all(c is not conn for c in want.conns):
+            if message.rank != conn.rank or all(c.socket is not conn.socket for c in want.conns):
                 self.counters.rejected += 1
                 logger.warning("decode rank %d: %s for request %s names prefill rank %d but came on the connection to "
                                "rank %d at %s:%d, which the request does not use for it; dropped", self.config.rank,
