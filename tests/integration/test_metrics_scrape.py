@@ -17,7 +17,7 @@ from pair import small_spec as pd_spec
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.blocks import block_hashes
-from kvplane.flows.offload import MooncakeMaster, StoreConfig, start_master
+from kvplane.flows.offload import MooncakeMaster, StoreConfig
 from kvplane.flows.offload.store import StoreTier
 from kvplane.metrics import recorder
 from kvplane.metrics.exporter import MetricsServer
@@ -102,13 +102,6 @@ def test_a_layerwise_push_counts_every_layer_under_its_flow(server: MetricsServe
     finally:
         prefill.close()
         decode.close()
-
-
-@pytest.fixture(scope="module")
-def master() -> Iterator[MooncakeMaster]:
-    m = start_master()
-    yield m
-    m.stop()
 
 
 def test_offload_and_store_tiers_show_bytes_hit_rate_and_occupancy(server: MetricsServer,

@@ -12,7 +12,6 @@ import hashlib
 import logging
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,13 +29,6 @@ PEER_SCRIPT = Path(__file__).with_name("offload_peer.py")
 MiB = 1 << 20
 STARTUP_S = 60.0
 REQUEST_BOUND_S = 8.0  # one store + lookup + load with a dead master: the 1 s call bound, a few times over
-
-
-@pytest.fixture(scope="module")
-def master() -> Iterator[MooncakeMaster]:
-    m = start_master()
-    yield m
-    m.stop()
 
 
 def tier(address: str, **settings: object) -> StoreTier:

@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,13 +26,6 @@ from kvplane.kv.spec import KVSpec
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
 GATE_S = 30.0  # a gate nobody opens gives up after this, so a broken test fails instead of hanging
-
-
-@pytest.fixture(scope="module")
-def master() -> Iterator[MooncakeMaster]:
-    m = start_master()
-    yield m
-    m.stop()
 
 
 def tier(address: str, **settings: object) -> StoreTier:

@@ -292,6 +292,18 @@ class RealEngine:
         held = {**self.scheduler.connector.scheduler.held_request_ids(), **self.worker.worker.held_request_ids()}
         assert not any(held.values()), {k: v for k, v in held.items() if v}
 
+    def freed_by(self, decode: RealEngine, within_s: float = 20.0) -> None:
+        """This prefill steps beside ``decode`` until it holds no request any more (a decline or a read from the
+        decode freed what it kept), then holds nothing at all."""
+
+        def both_step() -> bool:
+            decode.step()
+            self.step()
+            return False
+
+        self.run_until(lambda: both_step() or not self.scheduler.has_requests(), within_s)
+        self.assert_nothing_held()
+
     def shutdown(self) -> None:
         if hasattr(self, "worker"):
             self.worker.shutdown()

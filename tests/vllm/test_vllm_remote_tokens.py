@@ -50,14 +50,7 @@ def test_params_holding_more_tokens_than_the_prompt_are_refused_and_the_prefill_
                and "forward the kv_transfer_params of this request" in m for m in said), said
     decode.drain()
     decode.assert_nothing_held()
-
-    def both_step() -> bool:
-        decode.step()
-        prefill.step()
-        return False
-
-    prefill.run_until(lambda: both_step() or not prefill.scheduler.has_requests(), within_s=20.0)
-    prefill.assert_nothing_held()
+    prefill.freed_by(decode)
 
 
 def test_params_holding_fewer_tokens_than_the_prompt_load_that_prefix_and_compute_the_rest(
