@@ -54,8 +54,8 @@ def token_chunks(num_tokens: int, src_ids: I64, src_block: int, dst_ids: I64, ds
             f"would keep stale KV; give the destination a HOLE at that position too (vLLM's null block: serve the "
             f"same model, with the same sliding window, on both sides), or transfer only tokens the source holds"
         )
-    if (dst == HOLE).any() or (src == HOLE).any():
-        keep = (src != HOLE) & (dst != HOLE)
+    if (dst == HOLE).any():  # a source hole has a destination hole by now: one mask leaves out both
+        keep = dst != HOLE
         first, src, dst, count = first[keep], src[keep], dst[keep], int(keep.sum())
     return Chunks(
         tokens=g,

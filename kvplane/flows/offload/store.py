@@ -218,12 +218,13 @@ class StoreTier:
             )
         self._down_reason = reason
 
-    def _bound(self, nbytes: int) -> float:
+    def bound(self, nbytes: int) -> float:
+        """Seconds a call moving ``nbytes`` may run: ``timeout_s`` plus the bytes at ``min_gbps``."""
         return self.config.timeout_s + nbytes / (self.config.min_gbps * 1e9)
 
     def _wait(self, future: Future[T], what: str, nbytes: int = 0) -> T | None:
         """The call's result, or None after degrading when it failed or ran past its bound."""
-        bound = self._bound(nbytes)
+        bound = self.bound(nbytes)
         try:
             return future.result(bound)
         except FutureTimeout:
@@ -292,12 +293,8 @@ class StoreTier:
     def put_deadline(self, nbytes: int) -> float:
         """When a put submitted now must be done: its own bound, after the bounds of the puts queued before it
         (they run one at a time), so a put is never reported late for the time it spent waiting its turn."""
-        self._put_tail = max(time.monotonic(), self._put_tail) + self._bound(nbytes)
+        self._put_tail = max(time.monotonic(), self._put_tail) + self.bound(nbytes)
         return self._put_tail
-
-    def bound(self, nbytes: int) -> float:
-        """Seconds a call moving ``nbytes`` may run: ``timeout_s`` plus the bytes at ``min_gbps``."""
-        return self._bound(nbytes)
 
     def check_put(self, write: StoreWrite) -> bool:
         """True once ``write`` is done (its pins may go); degrades when it runs past its deadline or failed."""
