@@ -18,8 +18,9 @@ NIXL rows report ``prep_paths``: how many of the moving side's plans went throug
 Layer-wise push runs the prefill as ``PREFILL_COMPUTE_S`` of simulated compute split evenly over the layers
 (seed 001's local prefill of 10k tokens took 470 ms), saving each layer as it ends. In the same run a whole-request
 push of the same blocks is timed; ``hidden`` is the share of that push's time that no longer shows after prefill
-done, ``1 - exposed / push``. It can exceed ``compute / push``: per-layer writes are smaller transfers, several in
-flight at once (``max_inflight``), which on loopback can finish sooner than one whole-request transfer.
+done, ``1 - exposed / push``. It can exceed ``compute / push``: per-layer writes are smaller transfers, two in
+flight at once (layers saved meanwhile leave together), which on loopback can finish sooner than one
+whole-request transfer.
 """
 
 from __future__ import annotations
