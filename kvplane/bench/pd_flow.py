@@ -13,13 +13,18 @@ moves one descriptor per block and layer slot either way, as a raw engine does w
 Caches are per-layer tensors, or (``cross_layer``, the ``-xl`` rows) vLLM's one tensor for all layers on both
 sides, where a block of every layer is one descriptor; the baseline still moves one per block and layer.
 
+``descriptors`` is what the flow handed its engine per request (median over the reps, counted by the moving
+side's transport): the plan's own count for pull and push, more for layer-wise push, whose writes carry one
+layer or a few (``plan_descriptors`` is the whole-request plan's).
+
 NIXL rows report ``prep_paths``: how many of the moving side's plans went through its prepared descriptor lists.
 
 Layer-wise push runs the prefill as ``PREFILL_COMPUTE_S`` of simulated compute split evenly over the layers
 (seed 001's local prefill of 10k tokens took 470 ms), saving each layer as it ends. In the same run a whole-request
 push of the same blocks is timed; ``hidden`` is the share of that push's time that no longer shows after prefill
-done, ``1 - exposed / push``. It can exceed ``compute / push``: per-layer writes are smaller transfers, several in
-flight at once (``max_inflight``), which on loopback can finish sooner than one whole-request transfer.
+done, ``1 - exposed / push``. It can exceed ``compute / push``: per-layer writes are smaller transfers, two in
+flight at once (layers saved meanwhile leave together), which on loopback can finish sooner than one
+whole-request transfer.
 """
 
 from __future__ import annotations
@@ -169,11 +174,13 @@ def run_flow(
     plan = plan_transfer(p_man, d_man, {0: p_ids}, {0: d_ids}, {0: tokens}).plan
     raw_plan = per_block_plan(p_man.regions, p_ids, d_man.regions, d_ids)
 
-    samples, pushes = Samples(), []
+    samples, pushes, moved = Samples(), [], []
     for _ in range(MIN_REPS):
         # wall: prefill done -> KV ready; CPU: the whole request in this process (both sides' threads)
         ready: list[float] = []
+        before = mover.submitted.descriptors
         _, cpu = timed_cpu(lambda: ready.append(_one(sides, mode, p_ids, d_ids, tokens, compute_s)))  # noqa: B023
+        moved.append(mover.submitted.descriptors - before)
         samples.ours.append(ready[0])
         samples.cpu.append(cpu)
         start = time.perf_counter()
@@ -184,7 +191,8 @@ def run_flow(
     seconds, baseline_seconds = samples.median, samples.baseline_median
     params: dict[str, Any] = {
         "model": model, "mode": mode, "blocks_pattern": pattern, "tokens": tokens, "block_tokens": BLOCK_TOKENS,
-        "baseline_descriptors": len(raw_plan), "first_request_ms": round(first * 1e3, 1),
+        "baseline_descriptors": len(raw_plan), "plan_descriptors": len(plan),
+        "first_request_ms": round(first * 1e3, 1),
         "prefill_done_to_kv_ready_ms": round(seconds * 1e3, 1), "raw_ms": round(baseline_seconds * 1e3, 1),
         "sides": "one process, two transport engines on 127.0.0.1",
         "cache": "cross-layer" if cross_layer else "per-layer",
@@ -203,7 +211,7 @@ def run_flow(
     return make_result(
         scenario=name or _name(engine, model, mode, pattern), kind="pd", backend=backend.label, transport=engine,
         nbytes=plan.total_bytes, samples=samples, baseline=f"raw {engine} {op}", verified=verified,
-        descriptors=len(plan), params=params,
+        descriptors=round(statistics.median(moved)), params=params,
     )
 
 

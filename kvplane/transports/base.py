@@ -83,6 +83,19 @@ class Transfer(ABC):
         return True
 
 
+@dataclass
+class Submitted:
+    """What a transport's ``submit`` handed its engine so far: transfers, and the descriptors in them (before
+    chunking). Counted on the submitting thread; read anywhere (a snapshot may lag by one transfer)."""
+
+    transfers: int = 0
+    descriptors: int = 0
+
+    def add(self, plan: CopyPlan) -> None:
+        self.transfers += 1
+        self.descriptors += len(plan)
+
+
 class Transport(ABC):
     name: ClassVar[str]
     engine_limit: ClassVar[int]  # descriptors per batch the engine accepts by default
@@ -93,6 +106,7 @@ class Transport(ABC):
         self.backend = backend
         self.config = config or TransportConfig()
         self.agent_name = agent_name
+        self.submitted = Submitted()
 
     @classmethod
     @abstractmethod

@@ -197,6 +197,7 @@ class MooncakeTransport(Transport):
             self._check_open("submit")  # close() may have run since the check above
             self._transfers = [t for t in self._transfers if not t.finished] + [transfer]
             transfer.start()
+            self.submitted.add(plan)
         return transfer
 
     def move(self, peer: str, op: Op, local: list[int], remote: list[int], lengths: list[int],

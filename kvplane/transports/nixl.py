@@ -213,6 +213,7 @@ class NixlTransport(Transport):
             # kept while unfinished, or unsettled (its handle is freed at the reset that fences it, under the lock)
             self._transfers = [t for t in self._transfers if not t.finished or not t.settled] + [transfer]
             transfer.start()
+            self.submitted.add(plan)
         return transfer
 
     def raw_move(self, peer: str, op: Op, plan: CopyPlan) -> None:

@@ -35,6 +35,11 @@ def test_each_mode_moves_verified_bytes_and_reports_its_figures(engine: str) -> 
         assert r.seconds > 0 and r.baseline_gbps > 0
         assert r.params["prefill_done_to_kv_ready_ms"] > 0 and r.params["raw_ms"] > 0
         assert r.reps >= 5 and r.descriptors > 0 and r.params["baseline_descriptors"] >= r.descriptors
+        # what the flow handed its engine per request: the plan for pull and push, per-layer writes for layerwise
+        if mode == "layerwise":
+            assert r.descriptors >= r.params["plan_descriptors"], r.params
+        else:
+            assert r.descriptors == r.params["plan_descriptors"], (mode, r.descriptors, r.params)
         if engine == "nixl":  # every plan of the flow went through the lists prepared for its peer
             paths = r.params["prep_paths"]
             assert paths["prepped"] > 0 and paths["unprepped"] == 0 and paths["preps"] >= 1, (mode, paths)

@@ -42,6 +42,8 @@ class Phase(Enum):
 
 
 TERMINAL = frozenset({Phase.RELEASED, Phase.DROPPED})
+# layer-wise push: writes in flight to one decode rank; layers saved meanwhile leave together when one ends
+WRITES_PER_TARGET = 2
 
 # Every phase change (from, event, to); events are the machine's method names.
 TRANSITIONS: frozenset[tuple[Phase, str, Phase]] = frozenset({
@@ -177,7 +179,7 @@ class HeldRequest:
         out: list[Action] = []
         for target in held.targets.values():
             if layer in target.layers:
-                out += self._write(target, [layer])
+                out += self._write(target)
         return self._event("layer_saved", out)
 
     def abort(self) -> list[Action]:
@@ -218,7 +220,7 @@ class HeldRequest:
             out += self._push_rest(target)
         elif held.block_ids is not None:
             out += self._prepare(target)
-            out += self._write(target, [x for x in target.layers if x in held.saved])
+            out += self._write(target)
         return self._event("register", out)
 
     def cancel(self, sender: bytes, key: Key, token: str) -> list[Action]:
@@ -251,7 +253,7 @@ class HeldRequest:
             return []
         if error and not target.error:
             target.error = error
-        return self._event("write_ended", [])
+        return self._event("write_ended", self._write(target) if target.prepared else [])
 
     def plan_failed(self, target: Target, reason: str) -> list[Action]:
         """A ``Prepare`` of ``target`` failed: nothing will be written to it."""
@@ -336,10 +338,17 @@ class HeldRequest:
         target.prepared = True
         return [Prepare(target)]
 
-    def _write(self, target: Target, layers: list[str]) -> list[Action]:
-        if not target.prepared or target.error or self._stopped(target):
+    def _write(self, target: Target) -> list[Action]:
+        """Write ``target``'s layers that are ready (saved, or every one once the request finished) and not sent.
+
+        With ``WRITES_PER_TARGET`` writes to it in flight, ready layers wait, and leave together when one ends:
+        a push that falls behind the prefill catches up with fewer, bigger writes (over a cross-layer cache,
+        one descriptor per block for all the layers of a write) instead of a queue of one-layer writes."""
+        if (not target.prepared or target.error or self._stopped(target)
+                or target.inflight >= WRITES_PER_TARGET):
             return []
-        todo = tuple(x for x in layers if x not in target.sent)
+        held = self.held
+        todo = tuple(x for x in target.layers if x not in target.sent and (held.finished or x in held.saved))
         if not todo:
             return []
         target.sent.update(todo)
@@ -355,7 +364,7 @@ class HeldRequest:
             target.sent.update(target.layers)
             target.inflight += 1
             return [Write(target, tuple(target.layers), whole=True)]
-        return self._prepare(target) + self._write(target, target.layers)
+        return self._prepare(target) + self._write(target)
 
     def _problem(self, to: bytes, reason: str) -> Send:
         return Send(to, Problem(self.request_id, self.terms.rank, reason))

@@ -55,7 +55,8 @@ class Pusher:
     def write(self, src_ids: dict[int, Ids], target: Target, layers: Sequence[str], whole: bool,
               ended: Callable[[str], None]) -> None:
         """Write ``layers`` to ``target``: one plan over all of them when ``whole`` (built here, in one planner
-        call), else the prepared per-layer plans. ``ended(why it failed, or "")`` runs exactly once, on the loop."""
+        call), else the prepared per-layer plans, merged so that a block's layers that lie side by side go as one
+        descriptor. ``ended(why it failed, or "")`` runs exactly once, on the loop."""
         if whole:
             try:
                 plan = self._route(src_ids, target, layers, 0).plan
@@ -65,9 +66,8 @@ class Pusher:
         elif target.plans is None:
             ended("cannot plan the push: its per-layer plans were not built")
             return
-        else:
-            plans = [target.plans[x] for x in layers]
-            plan = CopyPlan.concat(plans) if len(plans) > 1 else plans[0]
+        else:  # several layers: interleaved block by block where they lie side by side (a cross-layer cache)
+            plan = CopyPlan.merge_parallel([target.plans[x] for x in layers])
 
         def landed(error: KvplaneError | None) -> None:
             ended("" if error is None else f"WRITE failed: {error}")
