@@ -1,4 +1,5 @@
-"""The aiohttp application: ``/v1/completions``, ``/v1/chat/completions``, ``/health`` and ``/metrics``.
+"""The aiohttp application: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and
+``/metrics``.
 
 Each request gets an ``X-Request-Id`` (the client's, or a fresh one), which both legs carry and the answer
 repeats. A streamed answer is passed through from the decode as it comes (SSE); a failure after the first byte
@@ -26,7 +27,7 @@ from kvplane.proxy import bodies, flows
 from kvplane.proxy.config import Instance, ProxyConfig
 from kvplane.proxy.errors import ProxyError
 from kvplane.proxy.health import record, run_checks
-from kvplane.proxy.legs import DecodeAnswer, rest_of_stream
+from kvplane.proxy.legs import DecodeAnswer, call_get, rest_of_stream
 from kvplane.proxy.metrics import ProxyMetrics
 from kvplane.proxy.pool import InstancePool
 
@@ -86,6 +87,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     app[STATE] = ProxyState(config)
     app.router.add_post(bodies.COMPLETIONS, _serve)
     app.router.add_post(bodies.CHAT, _serve)
+    app.router.add_get(bodies.MODELS, _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.cleanup_ctx.append(_session)
@@ -118,11 +120,31 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+async def _models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the list of a decode instance (the decode serves the model clients name), as it answered;
+    OpenAI clients ask it first. Bounded by ``--decode-timeout``."""
+    state = request.app[STATE]
+    request_id, headers = _ids(request)
+    c, route = state.config, state.route()
+    try:
+        with state.decode.lease() as inst:
+            raw = await call_get(route.session, inst, bodies.MODELS, headers, c.decode_timeout_s,
+                                 c.connect_timeout_s, route.unreachable)
+    except ProxyError as e:
+        return _error(state, bodies.MODELS, e, request_id)
+    return web.Response(body=raw, content_type="application/json", headers={"X-Request-Id": request_id})
+
+
+def _ids(request: web.Request) -> tuple[str, dict[str, str]]:
+    """The request's ``X-Request-Id`` (the client's, or a fresh one) and the headers both legs carry."""
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    return request_id, {"X-Request-Id": request_id, **{h: request.headers[h] for h in FORWARDED if h in request.headers}}
+
+
 async def _serve(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request_id, headers = _ids(request)
     path, mode = request.path, state.config.mode
-    headers = {"X-Request-Id": request_id, **{h: request.headers[h] for h in FORWARDED if h in request.headers}}
     start = time.perf_counter()
     state.metrics.in_flight.inc()
     try:

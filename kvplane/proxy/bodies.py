@@ -24,6 +24,7 @@ from kvplane.proxy.config import Instance
 from kvplane.proxy.errors import ProxyError
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MODELS = "/v1/models"  # GET: a decode instance's list, passed through
 
 
 def check_request(path: str, body: Any, mode: str) -> dict[str, Any]:

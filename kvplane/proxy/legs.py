@@ -1,6 +1,6 @@
 """One HTTP call to one instance (a leg), bounded by its timeout, every failure a ``ProxyError``.
 
-``call_prefill`` reads the whole answer and parses it. ``open_decode`` returns once the decode's answer has
+``call_prefill`` reads the whole answer and parses it; so does ``call_get`` (``GET /v1/models``). ``open_decode`` returns once the decode's answer has
 started (its first bytes; the whole body when not streamed), so that a push flow can hold it until the prefill
 has answered; the caller then streams the rest and closes it. A leg that is cancelled or fails closes its
 connection, which makes vLLM abort the request on that instance.
@@ -75,6 +75,23 @@ async def call_prefill(session: aiohttp.ClientSession, inst: Instance, path: str
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise _failure("prefill", inst, path, e, timeout_s, unreachable, connect_s) from None
     return parse_json("prefill", inst, path, raw)
+
+
+async def call_get(session: aiohttp.ClientSession, inst: Instance, path: str, headers: dict[str, str],
+                   timeout_s: float, connect_s: float, unreachable: Unreachable) -> bytes:
+    """A GET whose answer is a JSON object (``/v1/models``), read whole and checked; failures are the
+    ``<role>_*`` errors of the instance's leg."""
+    leg = inst.role
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_s)
+    try:
+        async with session.get(f"{inst.url}{path}", headers=headers, timeout=timeout) as resp:
+            if resp.status != 200:
+                raise await _status_error(leg, inst, path, resp)
+            raw = await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise _failure(leg, inst, path, e, timeout_s, unreachable, connect_s) from None
+    parse_json(leg, inst, path, raw)
+    return raw
 
 
 @dataclass

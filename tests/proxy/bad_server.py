@@ -9,7 +9,8 @@ One port per behaviour ``B`` (the ready file maps each to its port):
 - ``hang``: reads the request and never answers; ``reset``: resets the connection (RST) without answering;
 - ``midstream``: starts a stream, sends one event, then resets; ``trickle``: sends one event, then nothing.
 
-``GET /health`` answers 200, or 503 after ``POST /health/down`` (``POST /health/up`` restores it). Handlers of
+``GET /v1/models`` answers a model list naming the port (``ok``...), or as the behaviour says (``fail``: 500,
+``garbage``: not JSON, ``hang``, ``reset``). ``GET /health`` answers 200, or 503 after ``POST /health/down`` (``POST /health/up`` restores it). Handlers of
 this process may hang forever: it runs apart from the test so that they count in no leak check.
 """
 
@@ -76,6 +77,21 @@ def behaviour(kind: str, port: int) -> Any:
         await out.write_eof()
         return out
 
+    async def models(request: web.Request) -> web.StreamResponse:
+        if kind == "hang":
+            await asyncio.sleep(3600)
+        if kind == "reset":
+            reset(request)
+            return web.Response()
+        if kind == "fail":
+            return web.json_response({"error": {"message": "engine exploded"}}, status=500)
+        if kind == "garbage":
+            return web.Response(body=b"<html>not json{", content_type="application/json")
+        return web.json_response({"object": "list", "data": [{"id": f"tiny-{port}", "object": "model",
+                                                               "owned_by": "vllm", "root": "tiny", "max_model_len": 64}],
+                                  "echo": {"x_request_id": request.headers.get("X-Request-Id"),
+                                           "authorization": request.headers.get("Authorization")}})
+
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"up": healthy["up"]}, status=200 if healthy["up"] else 503)
 
@@ -86,6 +102,7 @@ def behaviour(kind: str, port: int) -> Any:
     app = web.Application()
     app.router.add_post("/v1/completions", serve)
     app.router.add_post("/v1/chat/completions", serve)
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_post("/health/{state}", set_health)
     return app
