@@ -35,7 +35,7 @@ from kvplane.flows.offload.index import HostIndex
 from kvplane.flows.offload.jobs import GroupBlocks, LoadJob, StoreJob, paired
 from kvplane.flows.offload.keyed_pool import as_hashes
 from kvplane.flows.offload.keys import fingerprint
-from kvplane.flows.offload.spill import StoreLink
+from kvplane.flows.offload.spill import StoreLink, check_fits
 from kvplane.flows.offload.store import StoreTier
 from kvplane.kv.binding import LayoutChoice, regions_from_tensors
 from kvplane.kv.layouts import LayerValue
@@ -84,6 +84,7 @@ class OffloadEngine:
         self.fingerprint = fingerprint(spec, regions, tp_rank, tp_size)
         self.store: StoreLink | None = None
         if store_tier is None and config.store is not None:
+            check_fits(config.store, self.pool.block_bytes)  # before a client sets up and lends its segment
             store_tier = StoreTier(config.store)
         if store_tier is not None:
             self.store = StoreLink(store_tier, self.index, self.pool, self.fingerprint)
