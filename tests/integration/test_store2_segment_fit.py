@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 
 from kvplane.backend.cpu.backend import CpuBackend
-from kvplane.flows.offload import MooncakeMaster, OffloadConfig, OffloadConfigError, OffloadEngine, StoreConfig
+from kvplane.flows.offload import (
+    MooncakeMaster,
+    OffloadConfig,
+    OffloadConfigError,
+    OffloadEngine,
+    StoreConfig,
+)
 from kvplane.flows.offload.store import StoreTier
 from kvplane.kv.binding import allocate_cache
 from kvplane.kv.spec import KVSpec
