@@ -13,10 +13,12 @@ of calls, so it keeps reporting while a call hangs on the query executor), so a 
 worker lock reads it without waiting. A call past its bound, a client that reports itself unhealthy, a call
 answered with ``RPC_FAIL`` or ``RPC_TIMEOUT`` (the real client keeps reporting healthy for about a second after its master dies), or a
 setup that does not finish (against a dead master ``setup`` itself takes about 90 s, holding the GIL: so it is
-called only once the master accepts a TCP connection, and tried again every ``retry_after_s`` until then) turns the
+called only once the master accepts a TCP connection and a probe client in a child process set up against it,
+and tried again every ``retry_after_s`` until then) turns the
 tier off with one warning; once ``retry_after_s`` has passed and the monitor reports the client healthy, the next call turns it back
 on. A call that timed out may still be running: the caller keeps the host blocks it reads or writes pinned until
-its future completes (``StoreWrite.done``), so a late transfer never sees a reused block.
+its future completes (``StoreWrite.done``), so a late transfer never sees a reused block. Puts the store refuses
+(a full segment) are counted in ``refused`` and logged once per stretch, not once each.
 """
 
 from __future__ import annotations
