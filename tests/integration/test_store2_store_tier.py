@@ -171,3 +171,20 @@ def test_a_master_that_accepts_and_never_answers_does_not_freeze_the_process(
     finally:
         stop.set()
         tier.close()
+
+
+def test_a_process_that_cannot_start_the_probe_sets_up_unprobed_with_a_warning(
+    master: MooncakeMaster, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvplane.flows.offload.store as store
+
+    monkeypatch.setattr(store.sys, "executable", "/nonexistent/python")
+    monkeypatch.setattr(store, "_answered", {})  # probed by no earlier test of this module
+    with caplog.at_level(logging.WARNING, logger=STORE_LOG):
+        tier = StoreTier(StoreConfig(master.address, segment_bytes=16 * MiB, local_buffer_bytes=16 * MiB,
+                                     namespace="store2-unprobed"))
+    try:
+        assert tier.degradations == 0 and tier.up
+        assert "cannot start the probe" in caplog.text and "/nonexistent/python" in caplog.text
+    finally:
+        tier.close()

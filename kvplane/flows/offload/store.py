@@ -223,8 +223,14 @@ class StoreTier:
         c = self.config
         if time.monotonic() - _answered.get(c.master_address, -PROBE_FRESH_S) < PROBE_FRESH_S:
             return ""
-        child = subprocess.Popen([sys.executable, "-c", _PROBE, c.local_hostname, c.master_address],
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            child = subprocess.Popen([sys.executable, "-c", _PROBE, c.local_hostname, c.master_address],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError as e:  # no interpreter to run it (an embedded Python): set up unprobed, as before the probe
+            logger.warning("cannot start the probe of mooncake_master at %s with sys.executable=%r (%s); setting up "
+                           "without it (a master that never answers would freeze this process)", c.master_address,
+                           sys.executable, e)
+            return ""
         try:
             rc = child.wait(c.setup_timeout_s / 2)
         except subprocess.TimeoutExpired:
