@@ -35,7 +35,7 @@ from kvplane.flows.offload.index import HostIndex
 from kvplane.flows.offload.jobs import GroupBlocks, LoadJob, StoreJob, paired
 from kvplane.flows.offload.keyed_pool import as_hashes
 from kvplane.flows.offload.keys import fingerprint
-from kvplane.flows.offload.spill import StoreLink
+from kvplane.flows.offload.spill import StoreLink, check_fits
 from kvplane.flows.offload.store import StoreTier
 from kvplane.kv.binding import LayoutChoice, regions_from_tensors
 from kvplane.kv.layouts import LayerValue
@@ -84,6 +84,7 @@ class OffloadEngine:
         self.fingerprint = fingerprint(spec, regions, tp_rank, tp_size)
         self.store: StoreLink | None = None
         if store_tier is None and config.store is not None:
+            check_fits(config.store, self.pool.block_bytes)  # before a client sets up and lends its segment
             store_tier = StoreTier(config.store)
         if store_tier is not None:
             self.store = StoreLink(store_tier, self.index, self.pool, self.fingerprint)
@@ -100,6 +101,9 @@ class OffloadEngine:
         self._stored: set[str] = set()
         self._loaded: set[str] = set()
         self._load_errors: set[int] = set()
+        # request -> (the hashes its lookup asked per group, what the store answered for them): a load of the
+        # same request and keys reads this answer instead of asking the store again (under the caller's lock)
+        self._presence: dict[str, tuple[dict[int, Ids], InStore]] = {}
 
     # -- queries ------------------------------------------------------------------------------------------
     def lookup(self, block_hashes: PerGroup, in_store: InStore | None = None) -> int:
@@ -128,6 +132,47 @@ class OffloadEngine:
             present = store.exists(g, hashes.tolist())
             found[g] = np.zeros(len(hashes), dtype=bool) if present is None else np.asarray(present, dtype=bool)
         return found
+
+    def remember_presence(self, request_id: str, block_hashes: PerGroup, in_store: InStore) -> None:
+        """Keep what ``store_presence`` answered for a request's lookup, for its load (``forget_presence``
+        drops it: the connector's holds do, when the load took its blocks or the request will not load)."""
+        hashes = {g: as_hashes(h) for g, h in per_group("block_hashes", block_hashes, self._group_ids,
+                                                        OffloadError).items()}
+        self._presence[request_id] = (hashes, in_store)
+
+    def forget_presence(self, request_id: str) -> None:
+        self._presence.pop(request_id, None)
+
+    def loads_presence(self, requests: Iterable[tuple[str, PerGroup]]) -> dict[str, InStore]:
+        """The store's answer for loads that have no remembered one (``remember_presence``), asked now: call it
+        without the lock that guards this engine and hand it to ``start_loads``. Empty without a store tier."""
+        if self.store is None:
+            return {}
+        asked = {}
+        for rid, hashes in requests:
+            groups = per_group("block_hashes", hashes, self._group_ids, OffloadError)
+            if any(self._remembered(rid, g, as_hashes(h)) is None for g, h in groups.items()):
+                found = self.store_presence(hashes)
+                if found is not None:
+                    asked[rid] = found
+        return asked
+
+    def _remembered(self, request_id: str, group: int, hashes: Ids) -> BoolArray | None:
+        """The lookup's store answer for ``hashes`` (a run of the hashes it asked, as a load takes them from the
+        first block vLLM does not hold), or None when the request's lookup asked for other keys."""
+        known = self._presence.get(request_id)
+        if known is None or group not in known[0] or group not in known[1]:
+            return None
+        asked, found = known[0][group], known[1][group]
+        if not len(hashes):
+            return np.zeros(0, dtype=bool)
+        at = np.flatnonzero(asked == hashes[0])
+        if not at.size:
+            return None
+        a = int(at[0])
+        if a + len(hashes) > len(asked) or not np.array_equal(asked[a : a + len(hashes)], hashes):
+            return None
+        return found[a : a + len(hashes)]
 
     def _runs(self, group: int, hashes: list[int], in_store: BoolArray | None = None) -> list[tuple[bool, int]]:
         """The available prefix as runs ``(in_store, count)``: host runs and store runs alternate."""
@@ -261,9 +306,12 @@ class OffloadEngine:
         """Enqueue the H2D of every layer, in order; returns the tokens that will be loaded."""
         return self.start_loads([(request_id, block_hashes, device_block_ids)])[request_id]
 
-    def start_loads(self, requests: Iterable[LoadRequest]) -> dict[str, int]:
-        """``start_load`` for several requests at once: one copy per layer covers all of them."""
-        jobs = [self._prepare_load(rid, hashes, ids) for rid, hashes, ids in requests]
+    def start_loads(self, requests: Iterable[LoadRequest], in_store: Mapping[str, InStore] | None = None
+                    ) -> dict[str, int]:
+        """``start_load`` for several requests at once: one copy per layer covers all of them. Which blocks the
+        store holds comes from ``in_store`` (``loads_presence``), else from the request's lookup
+        (``remember_presence``), and only failing both from a store call made here."""
+        jobs = [self._prepare_load(rid, hashes, ids, (in_store or {}).get(rid)) for rid, hashes, ids in requests]
         by_group: dict[int, tuple[CopyPlan, list[int]]] = {}
         for g in self._group_layers:
             parts = [j.groups[g] for j in jobs if g in j.groups]
@@ -298,14 +346,18 @@ class OffloadEngine:
             out[j.request_id] = j.tokens
         return out
 
-    def _prepare_load(self, request_id: str, block_hashes: PerGroup, device_block_ids: PerGroup) -> LoadJob:
+    def _prepare_load(self, request_id: str, block_hashes: PerGroup, device_block_ids: PerGroup,
+                      in_store: InStore | None = None) -> LoadJob:
         if request_id in self._loading:
             raise OffloadError(f"request {request_id!r} is already loading; wait for it in get_finished()")
         job = LoadJob(request_id, {})
         tokens: list[int] = []
         for g, (hashes, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
             keys = as_hashes(hashes)  # once: the host index reads this array
-            host_ids = self._gather(g, hashes, keys)
+            found = in_store.get(g) if in_store is not None else None
+            if found is None or len(found) != len(keys):
+                found = self._remembered(request_id, g, keys)
+            host_ids = self._gather(g, hashes, keys, found)
             m = len(host_ids)
             if m:
                 job.groups[g] = GroupBlocks(device_ids[:m], host_ids, keys[:m])
@@ -316,15 +368,16 @@ class OffloadEngine:
         job.tokens = min(tokens) if tokens else 0
         return job
 
-    def _gather(self, group: int, hashes: list[int], keys: Ids) -> Ids:
+    def _gather(self, group: int, hashes: list[int], keys: Ids, held: BoolArray | None = None) -> Ids:
         """Referenced host blocks for the available prefix of ``hashes`` (``keys``: the same as an array),
-        fetching store runs into the host."""
+        fetching store runs into the host; ``held``: which of them the store held when asked (else asked
+        here)."""
         if self.store is None:  # the host prefix only: one pass over the hashes finds and pins it
             found, _, prefix = self.index.find(group, keys)
             ids = found[:prefix]
             self.index.ref(group, ids)
             return ids
-        runs = self._runs(group, hashes)
+        runs = self._runs(group, hashes, held)
         parts: list[Ids] = []
         n = 0
         for in_store, count in runs:  # pin every host run first, so fetching cannot evict them

@@ -15,14 +15,32 @@ from typing import Any
 import numpy as np
 
 from kvplane.blocks.groups import Ids
+from kvplane.flows.offload.config import StoreConfig
+from kvplane.flows.offload.errors import OffloadConfigError
 from kvplane.flows.offload.host_pool import HostPool
 from kvplane.flows.offload.index import HostIndex
 from kvplane.flows.offload.keys import block_keys
 from kvplane.flows.offload.store import StoreTier, StoreWrite
 
 
+def check_fits(config: StoreConfig, block_bytes: dict[int, int]) -> None:
+    """Raise when this client's segment cannot hold one block of every KV-cache group: each host block is one
+    store object, and a request is only ever loaded with a block of each group, so every put would be refused
+    (-200) and nothing would ever load from the store. A segment of 0 lends nothing (other clients' segments
+    hold the objects): not checked."""
+    need = sum(block_bytes.values())
+    if 0 < config.segment_bytes < need:
+        sizes = ", ".join(f"group {g}: {n} B" for g, n in sorted(block_bytes.items()))
+        raise OffloadConfigError(
+            f"StoreConfig.segment_bytes={config.segment_bytes} cannot hold one block of each KV-cache group "
+            f"({need} B; {sizes}): every block would be refused by the store; give segment_bytes many times "
+            f"{need} (it holds blocks of every request), or 0 to use only the segments other clients lend"
+        )
+
+
 class StoreLink:
     def __init__(self, tier: StoreTier, index: HostIndex, pool: HostPool, fingerprint: str) -> None:
+        check_fits(tier.config, pool.block_bytes)
         self.tier, self.index, self.pool, self.fingerprint = tier, index, pool, fingerprint
         self.write_through = tier.config.write_through
         self._writes: list[StoreWrite] = []

@@ -13,18 +13,23 @@ of calls, so it keeps reporting while a call hangs on the query executor), so a 
 worker lock reads it without waiting. A call past its bound, a client that reports itself unhealthy, a call
 answered with ``RPC_FAIL`` or ``RPC_TIMEOUT`` (the real client keeps reporting healthy for about a second after its master dies), or a
 setup that does not finish (against a dead master ``setup`` itself takes about 90 s, holding the GIL: so it is
-called only once the master accepts a TCP connection, and tried again every ``retry_after_s`` until then) turns the
+called only once the master accepts a TCP connection and a probe client in a child process set up against it,
+and tried again every ``retry_after_s`` until then) turns the
 tier off with one warning; once ``retry_after_s`` has passed and the monitor reports the client healthy, the next call turns it back
 on. A call that timed out may still be running: the caller keeps the host blocks it reads or writes pinned until
-its future completes (``StoreWrite.done``), so a late transfer never sees a reused block.
+its future completes (``StoreWrite.done``), so a late transfer never sees a reused block. Puts the store refuses
+(a full segment) are counted in ``refused`` and logged once per stretch, not once each.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -35,7 +40,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvplane.flows.offload.config import StoreConfig
-from kvplane.flows.offload.errors import StoreError
+from kvplane.flows.offload.errors import OffloadConfigError, StoreError
 from kvplane.logs import quiet_engine_logs
 from kvplane.metrics import recorder
 from kvplane.runtime import Executor
@@ -51,6 +56,19 @@ RPC_FAIL = -900  # any call: the master did not answer (killed, restarting, netw
 RPC_TIMEOUT = -901  # any call: the master took the connection but did not answer in time (stopped, overloaded)
 UNANSWERED = frozenset({RPC_FAIL, RPC_TIMEOUT})  # either turns the tier off: the master does not answer
 MASTER_UNREACHABLE = -10_000  # kvplane's own: setup was not tried, the master accepts no connection
+MIN_SEGMENT_BYTES = 16 << 20  # the real client refuses a smaller segment (setup -600, "Total size must be at least")
+REFUSAL_LOG_EVERY_S = 60.0  # while puts keep being refused, one summary line per this many seconds
+PROBE_FRESH_S = 30.0  # a master that answered a probe this recently is set up against without another probe
+_answered: dict[str, float] = {}  # master address -> when it last answered a probe (time.monotonic())
+# the probe: a real client in a child process sets up against the master (no segment of its own) and exits; a
+# master that takes the connection and never answers freezes that child, not this process
+_PROBE = (
+    "import os, sys\n"
+    "from mooncake.store import MooncakeDistributedStore\n"
+    "c = MooncakeDistributedStore()\n"
+    "rc = c.setup(sys.argv[1], 'P2PHANDSHAKE', 0, 1 << 20, 'tcp', '', sys.argv[2])\n"
+    "os._exit(0 if rc == 0 else 3)  # no close: it lent nothing, and closing costs the wait a probe saves\n"
+)
 _PARKED = threading.Event()  # never set: abandoned clients wait on it with the daemon threads that hold them
 
 
@@ -89,8 +107,19 @@ def _load_client_class() -> Any:
     return MooncakeDistributedStore
 
 
+def check_segment(config: StoreConfig) -> None:
+    """Raise when Mooncake would refuse ``segment_bytes`` at setup (it says so only in its own log, -600)."""
+    if 0 < config.segment_bytes < MIN_SEGMENT_BYTES:
+        raise OffloadConfigError(
+            f"StoreConfig.segment_bytes={config.segment_bytes} is under the {MIN_SEGMENT_BYTES} B (16 MiB) Mooncake "
+            f"Store takes for a segment (its setup fails with -600); give at least 16 MiB, or 0 to lend no memory "
+            f"and use the segments other clients lend"
+        )
+
+
 class StoreTier:
     def __init__(self, config: StoreConfig, client: Any = None) -> None:
+        check_segment(config)
         self.config = config
         self._client = client if client is not None else _load_client_class()()
         self._io = Executor("kvplane-store-io")  # puts, in order
@@ -107,6 +136,13 @@ class StoreTier:
         self._health: tuple[bool, str] = (True, "")  # (healthy, why not): written by the monitor thread only
         self._stop = threading.Event()
         self.degradations = 0  # how many times the tier turned itself off (reports and tests)
+        # puts the store refused, by Mooncake return code (NO_AVAILABLE_HANDLE: no segment had room), since start
+        self.refused: Counter[int] = Counter()
+        self.refusal_log_every_s = REFUSAL_LOG_EVERY_S
+        self._refusing_since: float | None = None  # the first refusal of the stretch now running
+        self._refusal_logged_at = self._last_refusal = 0.0
+        self._refused_unlogged: Counter[int] = Counter()  # refused since the stretch's last line
+        self._refused_in_stretch = 0
         # the real binding's setup holds the GIL until it gives up on a master that does not answer (about 90 s):
         # no timeout can cut it short, the whole process stands still. So a master that does not accept a TCP
         # connection is never set up against; such a setup is tried again (on the query executor, waited on by
@@ -171,9 +207,45 @@ class StoreTier:
                     f"({e}); start it there or fix the address (setup is tried again every {c.retry_after_s:g} s)"
                 )
                 return MASTER_UNREACHABLE
+            silent = self._probe_master()
+            if silent:
+                self._unreachable = silent
+                return MASTER_UNREACHABLE
         self._setup_called = True
         return int(self._client.setup(c.local_hostname, c.metadata_server, c.segment_bytes, c.local_buffer_bytes,
                                       c.protocol, c.device_name, c.master_address))
+
+    def _probe_master(self) -> str:
+        """Why the master cannot be set up against, or "" when a real client's setup in a child process finished
+        against it within ``setup_timeout_s`` (or one did less than ``PROBE_FRESH_S`` ago). The binding's setup
+        holds the GIL until the master answers: against a master that takes the connection and never answers
+        (stopped, wedged), it would freeze this whole process for about 90 s."""
+        c = self.config
+        if time.monotonic() - _answered.get(c.master_address, -PROBE_FRESH_S) < PROBE_FRESH_S:
+            return ""
+        try:
+            child = subprocess.Popen([sys.executable, "-c", _PROBE, c.local_hostname, c.master_address],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError as e:  # no interpreter to run it (an embedded Python): set up unprobed, as before the probe
+            logger.warning("cannot start the probe of mooncake_master at %s with sys.executable=%r (%s); setting up "
+                           "without it (a master that never answers would freeze this process)", c.master_address,
+                           sys.executable, e)
+            return ""
+        try:
+            rc = child.wait(c.setup_timeout_s / 2)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            return (f"mooncake_master at StoreConfig.master_address={c.master_address!r} accepts connections but a "
+                    f"client's setup got no answer in {c.setup_timeout_s / 2:g} s (half of StoreConfig.setup_timeout_s="
+                    f"{c.setup_timeout_s:g}); check that the process there is a live mooncake_master (setup is tried "
+                    f"again every {c.retry_after_s:g} s)")
+        if rc != 0:
+            return (f"a probe client's setup against mooncake_master at StoreConfig.master_address="
+                    f"{c.master_address!r} failed (exit code {rc}); check the master's log and that this host can "
+                    f"reach it (setup is tried again every {c.retry_after_s:g} s)")
+        _answered[c.master_address] = time.monotonic()
+        return ""
 
     def _setup_ok(self) -> bool:
         return self._setup.done() and self._setup.exception() is None and self._setup.result() == 0
@@ -309,11 +381,49 @@ class StoreTier:
         elif lost := sorted({rc for rc in write.future.result() if rc in UNANSWERED}):
             self._degrade(f"batch_put_from returned {lost} (RPC_FAIL {RPC_FAIL}, RPC_TIMEOUT {RPC_TIMEOUT}): the "
                           f"master does not answer")
-        elif any(rc < 0 for rc in write.future.result()):
-            bad = sorted({rc for rc in write.future.result() if rc < 0})
-            logger.warning("Mooncake store refused %d put(s) (codes %s); those blocks stay host-only",
-                           sum(rc < 0 for rc in write.future.result()), bad[:3])
+        else:
+            self._note_refusals(write.future.result())
         return True
+
+    def _hint(self, refused: Counter[int]) -> str:
+        if NO_AVAILABLE_HANDLE in refused:
+            return (f"{NO_AVAILABLE_HANDLE} means no segment has room: raise StoreConfig.segment_bytes="
+                    f"{self.config.segment_bytes} or start more clients that lend memory")
+        return "see Mooncake's log for what the codes mean"
+
+    def _note_refusals(self, codes: Sequence[int]) -> None:
+        """Count refused puts and log them once per stretch: its first refusal, then one line per
+        ``refusal_log_every_s`` while they go on, and one when a put is taken with none refused for that long.
+        A full segment under write-through refuses nearly every put (the master's eviction frees a few objects
+        now and then, so taken puts come in between: they do not end the stretch)."""
+        refused = Counter(rc for rc in codes if rc < 0)
+        now = time.monotonic()
+        every = self.refusal_log_every_s
+        if not refused:
+            if self._refusing_since is not None and codes and now - self._last_refusal >= every:
+                logger.warning("Mooncake store at %s takes puts again (none refused for %g s), after refusing %d in "
+                               "%.1f s", self.config.master_address, every, self._refused_in_stretch,
+                               self._last_refusal - self._refusing_since)
+                self._refusing_since = None
+            return
+        self.refused.update(refused)
+        self._last_refusal = now
+        if self._refusing_since is None:
+            self._refusing_since, self._refusal_logged_at = now, now
+            self._refused_in_stretch, self._refused_unlogged = refused.total(), Counter()
+            logger.warning(
+                "Mooncake store at %s refused %d put(s) (codes %s); those blocks stay host-only. Further refusals "
+                "are counted (StoreTier.refused) and logged every %g s until puts are taken again; %s",
+                self.config.master_address, refused.total(), _codes(refused), every, self._hint(refused),
+            )
+            return
+        self._refused_in_stretch += refused.total()
+        self._refused_unlogged.update(refused)
+        if now - self._refusal_logged_at >= every:
+            logger.warning("Mooncake store at %s refused %d more put(s) in the last %.0f s (codes %s); %s",
+                           self.config.master_address, self._refused_unlogged.total(), now - self._refusal_logged_at,
+                           _codes(self._refused_unlogged), self._hint(self._refused_unlogged))
+            self._refusal_logged_at, self._refused_unlogged = now, Counter()
 
     def get(
         self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
@@ -355,6 +465,10 @@ class StoreTier:
                 return
         self._query.close(wait=False)
         _abandon(self._client)
+
+
+def _codes(refused: Counter[int]) -> str:
+    return ", ".join(f"{rc} x{n}" for rc, n in sorted(refused.items()))
 
 
 def leading(found: Sequence[bool]) -> int:

@@ -7,7 +7,9 @@ answers a lookup and references the host blocks of the answered prefix, so no st
 scheduler says the request will not load them (finished, preempted, or vLLM used fewer tokens:
 ``KVPlaneMetadata.released``). A newer lookup for the same request replaces its hold. Held bytes are bounded:
 a lookup whose hold would pass ``max_bytes`` answers 0 tokens (a logged miss) rather than promise what a store
-may evict. Store-tier blocks are not held (the store keeps its own leases). Called under the engine's lock.
+may evict. Store-tier blocks are not held (the store keeps its own leases), but what the store answered is kept
+with the hold (``OffloadEngine.remember_presence``): the load reads it instead of asking the store again under
+the engine's lock. Called under the engine's lock.
 """
 
 from __future__ import annotations
@@ -56,10 +58,13 @@ class LookupHolds:
             return 0
         self._held[request_id] = {g: index.pin(g, h) for g, h in want.items() if h}
         self.held_bytes += nbytes
+        if in_store is not None:  # the load reads it rather than asking the store again under the lock
+            self.offload.remember_presence(request_id, hashes, in_store)
         return tokens
 
     def release(self, request_id: str) -> None:
         """End the request's hold (nothing if it has none)."""
+        self.offload.forget_presence(request_id)
         held = self._held.pop(request_id, None)
         for g, ids in (held or {}).items():
             self.offload.index.release(g, ids)

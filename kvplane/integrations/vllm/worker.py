@@ -194,8 +194,10 @@ class WorkerSide:
         for rid in meta.aborts:
             self._abort(rid)
         if self.offload is not None and (meta.loads or meta.released):
+            # the store is asked outside the lock, and only for loads whose lookup's answer was not kept
+            in_store = self.offload.loads_presence([(j.request_id, j.hashes) for j in meta.loads])
             with self._lock:
-                self._load(self.offload, meta)
+                self._load(self.offload, meta, in_store)
         self._start_saves(meta)  # after the loads: a store must not take host blocks a load of this step reads
         for receive in meta.receives:
             self._receive(receive)
@@ -230,13 +232,13 @@ class WorkerSide:
         self._by_transfer_id[tid] = send.request_id
         return tid
 
-    def _load(self, offload: OffloadEngine, meta: KVPlaneMetadata) -> None:
+    def _load(self, offload: OffloadEngine, meta: KVPlaneMetadata, in_store: Any = None) -> None:
         """A load kvplane refuses fails its blocks. A lookup's hold ends once its load holds the blocks itself,
         or when the scheduler releases it."""
         if meta.loads:
             waited = [j for j in meta.loads if j.wait_in_vllm]  # reported like receives (several groups)
             try:
-                loaded = offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads])
+                loaded = offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads], in_store)
                 self.counters["loads"] += len(meta.loads)
             except KvplaneError as e:
                 logger.warning("kvplane: offload loads refused, their blocks will be recomputed: %s", e)
