@@ -15,13 +15,8 @@ WORKER = Path(__file__).with_name("rank_worker.py")
 STARTUP_S = 120.0
 
 
-def start(log: Path) -> FramedProcess:
-    """A worker whose start-up is under way; ``read(STARTUP_S)`` takes its ready frame."""
-    return FramedProcess([str(WORKER)], log, env={"OMP_NUM_THREADS": "1"})
-
-
 def spawn(log: Path) -> FramedProcess:
-    proc = start(log)
+    proc = FramedProcess([str(WORKER)], log, env={"OMP_NUM_THREADS": "1"})
     proc.read(STARTUP_S)
     return proc
 
@@ -36,11 +31,8 @@ def join_group(workers: list[FramedProcess], init: Path) -> None:
 
 class Pool:
     def __init__(self, tmp: Path) -> None:
-        # the four start side by side (each imports torch and kvplane), then each must report ready
-        self.prefill = [start(tmp / f"prefill{r}.log") for r in range(2)]
-        self.decode = [start(tmp / f"decode{r}.log") for r in range(2)]
-        for w in self.all():
-            w.read(STARTUP_S)
+        self.prefill = [spawn(tmp / f"prefill{r}.log") for r in range(2)]
+        self.decode = [spawn(tmp / f"decode{r}.log") for r in range(2)]
         join_group(self.prefill, tmp / "prefill.group")
         join_group(self.decode, tmp / "decode.group")
 
@@ -48,11 +40,5 @@ class Pool:
         return self.prefill + self.decode
 
     def close(self) -> None:
-        for w in self.all():  # all are told to exit first, so they wind down side by side
-            if w.proc.poll() is None:
-                try:
-                    w.send(cmd="exit")
-                except OSError:
-                    pass
         for w in self.all():
             w.close()
