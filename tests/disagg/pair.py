@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -79,29 +78,6 @@ def make(role: str, spec: KVSpec, layout: str = "packed_kv", num_blocks: int = 6
     cls = PrefillSide if role == "prefill" else DecodeSide
     side = cls(cpu, spec, cache, DisaggConfig(**settings), layouts=name)
     return Engine(side, spec, cache, layout, BlockPool(num_blocks))
-
-
-def close_all(*engines: Engine) -> None:
-    """Closes every engine's side, side by side, and raises the first error once all are closed. Closing a
-    Mooncake side idles about 1 s (Mooncake's handshake listener waits out its accept timeout before its thread
-    joins), so closing two one after the other costs that twice."""
-    errors: list[BaseException] = []
-
-    def one(engine: Engine) -> None:
-        try:
-            engine.close()
-        except BaseException as e:  # re-raised below, after every side is closed
-            errors.append(e)
-
-    others = [threading.Thread(target=one, args=(e,)) for e in engines[1:]]
-    for t in others:
-        t.start()
-    if engines:
-        one(engines[0])
-    for t in others:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def token_for(request_id: str) -> str:

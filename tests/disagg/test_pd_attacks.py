@@ -19,7 +19,7 @@ import msgspec
 import pytest
 from framed import FramedProcess
 from kvfill import digest
-from pair import Engine, close_all, make, push_params, small_spec, token_for
+from pair import Engine, make, push_params, small_spec, token_for
 
 from kvplane.flows.disagg import limits
 
@@ -102,7 +102,8 @@ def test_a_forged_read_done_does_not_free_the_blocks_of_a_pull(attacker: FramedP
             digest(SPEC, prefill.cache, "packed_kv", {0: src}, 40)
         assert prefill.wait("victim").state == "done"
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_forged_heartbeats_do_not_hold_blocks_past_the_lease(attacker: FramedProcess) -> None:
@@ -119,7 +120,8 @@ def test_forged_heartbeats_do_not_hold_blocks_past_the_lease(attacker: FramedPro
         assert prefill.done["victim"].state == "timed_out" and params.remote_request_id == "victim"
         pull_and_check(prefill, decode, "after")
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_a_push_registration_for_another_request_neither_receives_its_kv_nor_cancels_it(
@@ -152,7 +154,8 @@ def test_a_push_registration_for_another_request_neither_receives_its_kv_nor_can
         assert prefill.wait("victim").state == "done"
         assert ask(attacker, cmd="digest", table=own, tokens=40)["digest"] == before  # it received nothing
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_a_forged_cancel_before_any_registration_does_not_free_a_held_push(attacker: FramedProcess) -> None:
@@ -179,7 +182,8 @@ def test_a_forged_cancel_before_any_registration_does_not_free_a_held_push(attac
             digest(SPEC, prefill.cache, "packed_kv", {0: src}, 40)
         assert prefill.wait("victim").state == "done"
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
@@ -207,7 +211,8 @@ def test_a_replayed_handshake_under_the_decodes_engine_id_does_not_replace_it(
         assert digest(SPEC, decode.cache, "packed_kv", {0: dst}, 40) == \
             digest(SPEC, prefill.cache, "packed_kv", {0: src}, 40)
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_amplification_is_bounded_and_costs_no_records(attacker: FramedProcess) -> None:
@@ -233,7 +238,8 @@ def test_amplification_is_bounded_and_costs_no_records(attacker: FramedProcess) 
         assert ask(attacker, cmd="handshake", name="overflow", engine_id="overflow")["reply"] == "handshake"
         pull_and_check(prefill, decode, "after")
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_a_flood_of_problem_replies_never_drops_the_problem_answering_a_real_request(
@@ -263,7 +269,8 @@ def test_a_flood_of_problem_replies_never_drops_the_problem_answering_a_real_req
         done = decode.wait("gone", 20.0)
         assert done.state == "failed" and "no longer held" in done.reason, done.reason
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_a_silent_listener_named_as_mooncake_peer_does_not_stall_the_prefill(attacker: FramedProcess) -> None:
@@ -279,7 +286,8 @@ def test_a_silent_listener_named_as_mooncake_peer_does_not_stall_the_prefill(att
                    within=0.5)["reply"] == "none"  # the probe hangs: no answer yet
         pull_and_check(prefill, decode, "meanwhile")  # handshake, heartbeats and ReadDone flow all the same
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_a_name_being_checked_is_asked_again_only_on_its_own_connection(attacker: FramedProcess) -> None:

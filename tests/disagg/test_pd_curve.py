@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import zmq
 from kvfill import digest
-from pair import close_all, make, push_params, small_spec, token_for
+from pair import make, push_params, small_spec, token_for
 from zmq.utils.monitor import recv_monitor_message
 
 from kvplane.flows.disagg import DisaggConfig, DisaggConfigError, messages
@@ -54,7 +54,8 @@ def test_transfers_work_with_curve_keys(mode: str) -> None:
             digest(SPEC, prefill.cache, "packed_kv", {0: src}, 40)
         assert prefill.wait("r").state == "done"
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def refused(port: int, keys: tuple[str, str, str] | None) -> bool:
@@ -95,7 +96,8 @@ def test_a_client_without_the_key_or_off_the_allow_list_is_refused() -> None:
         decode.side.start_pull("r", prefill.side.request_finished("r", src, 40), dst)
         assert decode.wait("r").state == "done"
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def _server_key(prefill: Any) -> str:

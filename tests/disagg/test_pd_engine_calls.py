@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from pair import close_all, make, small_spec
+from pair import make, small_spec
 
 from kvplane.kv.spec import KVSpec
 
@@ -39,7 +39,8 @@ def test_a_timed_out_get_finished_loses_no_completion(engine: str) -> None:
                                    prefill.allocate(40), 40), decode.allocate(40))
         assert all(decode.wait(n + "-again").state == "done" for n in names)
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_get_finished_returns_while_a_large_nixl_read_is_still_moving() -> None:
@@ -65,7 +66,8 @@ def test_get_finished_returns_while_a_large_nixl_read_is_still_moving() -> None:
         assert finished == [] and not last_block_landed()  # it returned before the transfer's last bytes
         assert decode.wait("big", 60).state == "done" and last_block_landed()
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_a_read_longer_than_the_lease_completes_because_heartbeats_keep_flowing() -> None:
@@ -85,4 +87,5 @@ def test_a_read_longer_than_the_lease_completes_because_heartbeats_keep_flowing(
         assert decode.wait("long", 60).state == "done"
         assert prefill.wait("long", 30).state == "done"  # not timed_out: the lease never lapsed
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()

@@ -20,7 +20,7 @@ import zmq
 from framed import FramedProcess
 from kvfill import digest
 from kvref import canonical
-from pair import Engine, close_all, make, push_params, ready_prefill_ranks, small_spec, token_for
+from pair import Engine, make, push_params, ready_prefill_ranks, small_spec, token_for
 from rank_pool import spawn
 
 from kvplane.flows.disagg import DisaggError, TransferParamsError, messages
@@ -217,7 +217,8 @@ def test_a_mismatched_model_fails_the_handshake_naming_the_field_before_any_byte
         decode.pool.free(ids)
         assert decode.whole
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_malformed_oversized_and_unknown_messages_are_dropped_and_the_listener_keeps_serving() -> None:
@@ -336,7 +337,8 @@ def test_an_abort_during_a_pull_holds_the_blocks_until_the_read_has_drained(engi
             assert done.state == "failed" and "aborted" in done.reason, done
             assert prefill.wait("r").state == "failed"  # told, so it frees its blocks without waiting for the lease
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_block_ids_outside_the_cache_fail_the_request_and_never_report_a_partial_transfer() -> None:
@@ -351,7 +353,8 @@ def test_block_ids_outside_the_cache_fail_the_request_and_never_report_a_partial
         assert done.state == "failed" and "999" in done.reason
         assert prefill.wait("r").state == "failed"  # the decode said the read failed: the blocks go back
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_malformed_transfer_params_are_refused_naming_the_field() -> None:
@@ -401,7 +404,8 @@ def test_layerwise_push_writes_each_layer_as_soon_as_it_is_saved(engine: str) ->
         assert all(layer_landed(n) for n in spec.layer_names)
         assert prefill.wait("r").state == "done"
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("engine,mode", [("mooncake", "pull"), ("nixl", "pull"), ("mooncake", "push"),
@@ -444,7 +448,8 @@ def test_200_concurrent_requests_of_mixed_lengths_all_finish_without_leaking(eng
         assert prefill.whole and decode.whole
         assert prefill.side.held_requests() == 0 and decode.side.pending_requests() == 0
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_starting_a_request_that_is_still_receiving_is_refused() -> None:
@@ -460,7 +465,8 @@ def test_starting_a_request_that_is_still_receiving_is_refused() -> None:
         assert decode.wait("r").state == "done"
         assert list(decode.done) == ["r"]  # one completion, for the one that ran
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("order", ["handed_first", "registered_first", "layerwise_started_first"])
@@ -493,7 +499,8 @@ def test_a_push_the_decode_cannot_plan_frees_the_prefill_blocks_before_the_lease
         assert ended.state == "failed" and "could not plan" in ended.reason
         assert prefill.side.held_requests() == 0
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("order", ["handed_first", "registered_first"])
@@ -540,4 +547,5 @@ def test_a_push_given_up_while_a_prefill_rank_never_answers_frees_the_ranks_that
         assert prefill.side.held_requests() == 0
     finally:
         silent.close()
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()

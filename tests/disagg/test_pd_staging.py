@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from kvref import canonical
-from pair import Engine, close_all, make, prefill_ranks, push_params, token_for, watched_local_kv
+from pair import Engine, make, prefill_ranks, push_params, token_for, watched_local_kv
 
 from kvplane.flows.disagg import decode as decode_module
 from kvplane.flows.disagg import decode_start, staged_pull
@@ -79,7 +79,8 @@ def test_a_pull_many_times_larger_than_staging_bytes_lands_every_byte(case: str,
         assert decode.side.local.arena.in_use == 0
         assert prefill.side.held_requests() == 0
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -95,7 +96,8 @@ def test_staging_smaller_than_one_source_block_is_refused_naming_the_minimum(eng
         assert f"at least {source_block_bytes(16)}" in done.reason
         assert prefill.wait("r").state == "failed"  # told at once (ReadDone not ok), not after the lease
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_a_push_larger_than_staging_bytes_is_refused_saying_a_push_stages_the_whole_request() -> None:
@@ -111,7 +113,8 @@ def test_a_push_larger_than_staging_bytes_is_refused_saying_a_push_stages_the_wh
         assert "push" in done.reason and "DisaggConfig.staging_bytes" in done.reason
         assert f"at least {need}" in done.reason
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -135,7 +138,8 @@ def test_an_abort_during_a_chunked_pull_stops_it_and_gives_the_staging_range_bac
         assert decode.wait("next").state == "done"
         assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -157,7 +161,8 @@ def test_a_chunk_whose_relayout_executor_closed_fails_the_pull_instead_of_hangin
         assert decode.side.local.arena.in_use == 0
         assert prefill.wait("r").state == "failed"  # told by ReadDone(ok=False), not left to its lease
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_a_failed_relayout_fails_its_request_only_and_keeps_the_prefill_connection(
@@ -193,7 +198,8 @@ def test_a_failed_relayout_fails_its_request_only_and_keeps_the_prefill_connecti
         again = [r.getMessage() for r in caplog.records if "handshaking again" in r.getMessage()]
         assert again == [], again
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def calls_before_each_start(monkeypatch: pytest.MonkeyPatch, side: Any, name: str) -> list[int]:
@@ -243,7 +249,8 @@ def test_a_pull_waiting_for_staging_room_is_planned_once(monkeypatch: pytest.Mon
         assert decode.wait("r").state == "done"
         assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 def test_a_pull_from_prefill_ranks_whose_manifests_differ_is_refused_naming_the_field() -> None:
@@ -291,7 +298,8 @@ def test_a_push_waiting_for_staging_room_is_sized_once(monkeypatch: pytest.Monke
         assert decode.wait("r").state == "done"
         assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -334,7 +342,8 @@ def test_a_chunk_whose_relayout_is_dropped_at_close_fails_the_pull_instead_of_ha
         assert prefill.wait("r").state == "failed"
     finally:
         release.set()
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -372,4 +381,5 @@ def test_close_ends_a_running_relayout_before_the_local_kv_closes_and_reports_it
         assert local_closed_at_write and not any(local_closed_at_write)  # one entry per layer re-laid out
         assert "r" in decode.collect()  # reported before the loop stopped (done: its one chunk landed)
     finally:
-        close_all(decode, prefill)
+        decode.close()
+        prefill.close()
