@@ -83,8 +83,10 @@ def test_pull_survives_prefill_crash_without_leaking_blocks(worker: FramedProces
     assert "error" not in reply, reply
     table = list(range(3, 3 + BIG_TOKENS // 16))
     params = worker.ask(cmd="hold", request_id="big", table={0: table}, num_tokens=BIG_TOKENS)["params"]
+    # before_read: nobody answers the handshake, so the request fails when it times out; 1 s is as good as 5 s
+    # for that, and during_read keeps 5 s for the live prefill to answer on a loaded machine
     decode = make("decode", BIG, num_blocks=BIG_BLOCKS, engine=engine, transfer_timeout_s=10.0,
-                  handshake_timeout_s=5.0)
+                  handshake_timeout_s=1.0 if moment == "before_read" else 5.0)
     try:
         ids = decode.allocate(BIG_TOKENS)
         if moment == "before_read":

@@ -26,6 +26,7 @@ from kvplane.kv.spec import KVSpec
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
 GATE_S = 30.0  # a gate nobody opens gives up after this, so a broken test fails instead of hanging
+RPC_DEADLINE_MS = 5000  # the real client's master-RPC deadline in the RPC_TIMEOUT test (Mooncake's default: 30 s)
 
 
 def tier(address: str, **settings: object) -> StoreTier:
@@ -215,10 +216,15 @@ def test_a_lookup_while_the_host_pool_registers_does_not_register_it_twice(maste
         tier.close()
 
 
-def test_a_put_the_client_answers_with_rpc_timeout_turns_the_store_off(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_put_the_client_answers_with_rpc_timeout_turns_the_store_off(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # a master that stops answering (stopped, not dead: its connections stay open) makes the real client answer a
-    # put with RPC_TIMEOUT (-901) after about 30 s; the tier took only RPC_FAIL (-900) for "the master does not
-    # answer", so with a bound above 30 s it logged the put as refused for room and kept sending puts to it
+    # put with RPC_TIMEOUT (-901) once its request deadline passes (30 s by default); the tier took only RPC_FAIL
+    # (-900) for "the master does not answer", so with a bound above that deadline it logged the put as refused
+    # for room and kept sending puts to it. Mooncake's own MC_RPC_TIMEOUT_MS, read when the client is made, sets
+    # the deadline to RPC_DEADLINE_MS here, still far below the tier's bound, so the test need not wait 30 s out.
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", str(RPC_DEADLINE_MS))
     own = start_master()
     tier = StoreTier(StoreConfig(own.address, segment_bytes=16 * MiB, local_buffer_bytes=16 * MiB, timeout_s=120.0,
                                  namespace="rev4-rpc-timeout", retry_after_s=3600.0))
@@ -229,7 +235,7 @@ def test_a_put_the_client_answers_with_rpc_timeout_turns_the_store_off(caplog: p
         os.kill(own.pid, signal.SIGSTOP)
         put = tier.put(["rev4/stopped"], [base], [4096])
         assert put is not None
-        codes = put.result(110.0)  # the client gives up first (about 30 s)
+        codes = put.result(110.0)  # the client gives up first (after RPC_DEADLINE_MS)
         assert codes == [RPC_TIMEOUT], codes
         write = StoreWrite(put, time.monotonic() + 120.0, 0, np.zeros(1, dtype=np.int64), 4096)
         with caplog.at_level(logging.WARNING, logger="kvplane.offload.store"):

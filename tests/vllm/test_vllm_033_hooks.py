@@ -63,7 +63,10 @@ def test_pending_frees_stand_in_for_a_preemption_only_while_a_push_drains(
     model_dir: str, engines: list[RealEngine]
 ) -> None:
     port = free_port()
-    prefill = RealEngine(model_dir, {"disagg": {"mode": "push", "port": port, **QUICK}}, "kv_producer")
+    # the blocks come back when the lease lapses (no decode sends heartbeats): 4 s, not QUICK's 10, is still far
+    # more than the steps between finish and the check that the frees are pending
+    prefill = RealEngine(model_dir, {"disagg": {"mode": "push", "port": port, **QUICK, "lease_s": 4.0}},
+                         "kv_producer")
     engines.append(prefill)
     assert not prefill.scheduler.connector.has_pending_block_frees()
     prefill.add("req-1-0a1b2c3d", PROMPT, {"do_remote_decode": True})

@@ -45,6 +45,12 @@ def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Peer, 
     try:
         yield prefill, decode
     finally:
+        for peer in (prefill, decode):  # both are told first, so they wind down side by side
+            if peer.proc.proc.poll() is None:
+                try:
+                    peer.proc.send(cmd="exit")
+                except OSError:
+                    pass
         prefill.proc.close()
         decode.proc.close()
 
@@ -52,8 +58,10 @@ def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Peer, 
 @pytest.fixture
 def pair(processes: tuple[Peer, Peer]) -> Iterator[tuple[Peer, Peer]]:
     yield processes
+    for peer in processes:  # both tear down at once (a Mooncake side idles about 1 s as it closes), each answers
+        peer.proc.send(cmd="teardown")
     for peer in processes:
-        peer.ask(cmd="teardown")
+        peer.read()
 
 
 def setup(pair: tuple[Peer, Peer], mode: str, groups: list[list[int]], cross_layer: tuple[bool, bool] = (False, False)
