@@ -115,7 +115,8 @@ class PrefillSide(SideLifecycle):
             self._guard = Guard(self._loop.context, curve_keys(config, "prefill"))
             undo.callback(self._guard.stop)
             self._socket, self.port = channel.router(self._loop.context, config.listen_host, config.rank_port(),
-                                                     config.max_message_bytes, self._guard.server)
+                                                     config.max_message_bytes, self._guard.server,
+                                                     config.peer_timeout_s)
             self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
                                 config.max_inflight, self._loop.submit, flow=config.mode)
             undo.callback(self._mover.stop)
