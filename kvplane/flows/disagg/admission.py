@@ -11,9 +11,10 @@ A decode rank whose handshake timed out (this rank stalled: a GC pause, a long s
 connection. A handshake that comes on the connection whose handshake under that name is still being checked is
 not refused: the latest one is kept and taken once the first is answered (at once when it says the same), so a
 decode that asks again is accepted, while another connection still cannot take the name over. Every answer (this
-rank's ``Handshake`` or a ``Reject``) carries the ``attempt`` of the handshake it answers, and each handshake gets
-its own: the decode takes only the answer to its latest. A kept handshake is checked on its own once the first
-was refused (the first may have named a transport the decode has since reset), not refused with it.
+rank's ``Handshake`` or a ``Reject``) carries the ``attempt`` of the handshake it answers, and the decode takes only
+the answer to its latest: so a kept handshake is what the one answer answers, and one that says something new (the
+decode's transport was reset meanwhile, so the first may name an engine that is gone) is checked on its own, not
+refused with the first.
 """
 
 from __future__ import annotations
@@ -90,20 +91,25 @@ class Admission:
         again = self._again.pop(key, None)
         why = f"this prefill rank cannot reach its transport: {error}" if error else \
             self._refusal(key, identity, info)
-        if why:  # the Reject answers this handshake only; one the connection sent meanwhile is checked on its own
-            self._reject(identity, Reject("handshake", "", "", why, hello.attempt))
-            if again is not None:
+        # One answer per connection: to the latest handshake it sent (the decode takes no other). A handshake kept
+        # meanwhile that says the same gets this one's verdict; one that says something new (its transport was
+        # reset, so this one may have named an engine that is gone) is checked on its own and answered then.
+        new = again is not None and (again.boot_id, again.peer) != (hello.boot_id, hello.peer)
+        latest = again if again is not None and not new else hello
+        if why:
+            if again is not None and new:
                 self.on_handshake(identity, again)
+            else:
+                self._reject(identity, Reject("handshake", "", "", why, latest.attempt))
             return
         old = self.peers.get(key)
         self.peers[key] = record(hello, manifest, info, handle, identity)
         if old is not None:
             self._replaced(old, f"decode {hello.engine_id} rank {hello.rank} handshook again (boot {hello.boot_id})")
-        self._answer(identity, hello)
-        if again is not None and (again.boot_id, again.peer) != (hello.boot_id, hello.peer):
-            self.on_handshake(identity, again)  # it said something new (its transport was reset meanwhile)
-        elif again is not None:
-            self._answer(identity, again)  # the same again: the same answer, under its number
+        if again is not None and new:
+            self.on_handshake(identity, again)
+        else:
+            self._answer(identity, latest)
 
     def _refusal(self, key: Key, identity: bytes, info: PeerInfo) -> str:
         """Why a handshake from ``identity`` may not (yet) stand for ``key``; "" when it may."""
