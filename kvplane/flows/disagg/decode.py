@@ -279,6 +279,9 @@ class DecodeSide(SideLifecycle):
     def _hello(self, conn: Conn) -> None:
         """Send this rank's handshake on ``conn`` under a new number; an answer to an earlier one is dropped."""
         hello = self.local.handshake()  # made again (and the engine started again) after a reset
+        conn.deferred = self.local.generation != self.local.transport.generation
+        if conn.deferred:  # the engine is down since a reset: _check_deadlines sends it once it runs (the old
+            return  # descriptor names an engine that is gone, so the prefill would refuse it)
         conn.generation = self.local.generation
         conn.attempt, conn.answered = next(self._attempts), False
         channel.send(conn.socket, msgspec.structs.replace(hello, attempt=conn.attempt), self.counters)
