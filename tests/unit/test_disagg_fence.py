@@ -91,10 +91,14 @@ def test_a_failed_push_from_one_rank_waits_for_the_other_and_is_never_done() -> 
     assert m.push_result(1, True)[-1] == Report("failed", "push from prefill rank 0 failed: boom")
 
 
-def test_a_handshake_that_failed_reports_at_once_with_nothing_sent() -> None:
+def test_a_handshake_that_failed_reports_at_once_and_tells_every_prefill_rank() -> None:
+    """Rank 0 handshook: its ReadDone(ok=False) frees the blocks; rank 1 gets a Cancel once it can be reached
+    (dfix3: on main nothing was sent, and both held the request until their lease)."""
     m = DecodeRequest(Ident("r", "pull", "p-r", "prefill", "boot", "tok", 2, "decode", 0, 1, 2.0), 10.0)
     out = m.connections({0: RankView("ready", "h:0", "", "prefill", "boot"), 1: RankView("failed", "h:1", "no")})
-    assert out == [GiveStaging(), Report("failed", "handshake with prefill rank 1 at h:1 failed: no")]
+    assert out == [Send(1, Cancel("p-r", "decode", 0, "tok"), ready_only=True, later=True),
+                   Send(0, ReadDone("p-r", "decode", 0, 1, False, "boot", "tok")),
+                   GiveStaging(), Report("failed", "handshake with prefill rank 1 at h:1 failed: no")]
 
 
 def test_a_local_failure_fails_the_request_without_suspecting_the_prefill_rank() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvplane.flows.disagg.declines import PendingDeclines
 from kvplane.flows.disagg.decode import DecodeSide
 from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase
 from kvplane.flows.disagg.messages import PushResult
@@ -38,6 +39,7 @@ def _side(conns: list[Conn]) -> Any:
     side._starter = SimpleNamespace(start=start, relayout=lambda want: None)
     side._conns = {(c.host, c.port): c for c in conns}
     side._wants, side._by_remote = {}, {}
+    side._declines = PendingDeclines(60.0)  # dfix3: _add takes back a kept Cancel for the request it receives
     return side
 
 

@@ -10,13 +10,19 @@ The transport is connected only after these checks, so a refused handshake never
 A decode rank whose handshake timed out (this rank stalled: a GC pause, a long step) handshakes again on the same
 connection. A handshake that comes on the connection whose handshake under that name is still being checked is
 not refused: the latest one is kept and taken once the first is answered (at once when it says the same), so a
-decode that asks again is accepted, while another connection still cannot take the name over.
+decode that asks again is accepted, while another connection still cannot take the name over. Every answer (this
+rank's ``Handshake`` or a ``Reject``) carries the ``attempt`` of the handshake it answers, and the decode takes only
+the answer to its latest: so a kept handshake is what the one answer answers, and one that says something new (the
+decode's transport was reset meanwhile, so the first may name an engine that is gone) is checked on its own, not
+refused with the first.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+
+import msgspec
 
 from kvplane.errors import KvplaneError, ManifestMismatch
 from kvplane.flows.disagg.limits import RateLimit
@@ -47,16 +53,16 @@ class Admission:
         try:
             manifest, info = check_hello(self.local, hello, expect_role="decode")
         except ManifestMismatch as e:
-            self._reject(identity, Reject(e.field, repr(e.local), repr(e.remote), str(e)))
+            self._reject(identity, Reject(e.field, repr(e.local), repr(e.remote), str(e), hello.attempt))
             return
         except KvplaneError as e:  # a manifest that does not decode, a descriptor without memory
-            self._reject(identity, Reject("handshake", "", "", str(e)))
+            self._reject(identity, Reject("handshake", "", "", str(e), hello.attempt))
             return
         key = (hello.engine_id, hello.rank)
         old = self.peers.get(key)
         if old is not None and old.identity == identity and old.boot_id == hello.boot_id \
                 and old.peer_bytes == hello.peer:
-            self._send(identity, self.local.handshake())  # the same connection asking again
+            self._answer(identity, hello)  # the same connection asking again
             return
         why = self._refusal(key, identity, info)
         if not why and key in self._probing:
@@ -66,7 +72,7 @@ class Admission:
             why = "a handshake under this name is being checked already on another connection; retry once it is " \
                   "answered"
         if why:
-            self._reject(identity, Reject("peer", "", "", why))
+            self._reject(identity, Reject("peer", "", "", why, hello.attempt))
             return
         self._probing[key] = identity
 
@@ -75,8 +81,8 @@ class Admission:
 
         if not self.prober.connect(info, connected):
             self._probing.pop(key, None)
-            self._again.pop(key, None)  # this Reject answers it too
-            self._reject(identity, Reject("handshake", "", "", "too many transports being connected; retry"))
+            self._reject(identity, Reject("handshake", "", "", "too many transports being connected; retry",
+                                          hello.attempt))
 
     def _connected(self, identity: bytes, hello: Handshake, manifest: Manifest, info: PeerInfo, handle: str,
                    error: str) -> None:
@@ -85,16 +91,25 @@ class Admission:
         again = self._again.pop(key, None)
         why = f"this prefill rank cannot reach its transport: {error}" if error else \
             self._refusal(key, identity, info)
-        if why:  # the Reject answers a handshake the connection sent meanwhile too: it fails its attempt
-            self._reject(identity, Reject("handshake", "", "", why))
+        # One answer per connection: to the latest handshake it sent (the decode takes no other). A handshake kept
+        # meanwhile that says the same gets this one's verdict; one that says something new (its transport was
+        # reset, so this one may have named an engine that is gone) is checked on its own and answered then.
+        new = again is not None and (again.boot_id, again.peer) != (hello.boot_id, hello.peer)
+        latest = again if again is not None and not new else hello
+        if why:
+            if again is not None and new:
+                self.on_handshake(identity, again)
+            else:
+                self._reject(identity, Reject("handshake", "", "", why, latest.attempt))
             return
         old = self.peers.get(key)
         self.peers[key] = record(hello, manifest, info, handle, identity)
         if old is not None:
             self._replaced(old, f"decode {hello.engine_id} rank {hello.rank} handshook again (boot {hello.boot_id})")
-        self._send(identity, self.local.handshake())
-        if again is not None and (again.boot_id, again.peer) != (hello.boot_id, hello.peer):
-            self.on_handshake(identity, again)  # it said something new (its transport was reset meanwhile)
+        if again is not None and new:
+            self.on_handshake(identity, again)
+        else:
+            self._answer(identity, latest)
 
     def _refusal(self, key: Key, identity: bytes, info: PeerInfo) -> str:
         """Why a handshake from ``identity`` may not (yet) stand for ``key``; "" when it may."""
@@ -110,6 +125,10 @@ class Admission:
     def _alive(self, peer: PeerRecord) -> bool:
         """Whether the connection ``peer`` handshook on is still up (the ROUTER refuses a gone identity)."""
         return self._send(peer.identity, Problem("", self.local.config.rank, "connection check; ignore"))
+
+    def _answer(self, identity: bytes, hello: Handshake) -> None:
+        """This rank's handshake, as the answer to ``hello`` (its ``attempt``)."""
+        self._send(identity, msgspec.structs.replace(self.local.handshake(), attempt=hello.attempt))
 
     def _reject(self, identity: bytes, reject: Reject) -> None:
         self._limit.warn(logger, "prefill rank %d: handshake refused: %s", self.local.config.rank, reject.reason)

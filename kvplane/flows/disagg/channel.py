@@ -6,30 +6,58 @@ by libzmq before it is read whole.
 The prefill rank binds a ROUTER socket; each decode rank talks to it through one DEALER socket per prefill
 rank. Frames are ``[identity,] payload``; a payload that does not decode is logged, counted and dropped, and
 a reply that cannot be delivered (the peer went away) is dropped too: nothing here raises into the loop.
+
+Half-open connections: every socket sends ZMQ heartbeats (ZMTP PING, ``ZMQ_HEARTBEAT_IVL``/``_TIMEOUT``/``_TTL``,
+libzmq >= 4.2; answered by the peer's libzmq I/O thread, so a peer busy in Python still answers) and closes a
+connection whose peer is silent for ``DisaggConfig.peer_timeout_s``: a process that is stopped or behind a dropped
+network no longer holds its name at a prefill rank until TCP notices (hours, for an idle connection). A DEALER has
+a random routing id of its own (``ZMQ_ROUTING_ID``) and the ROUTER hands an id over to its newest connection
+(``ZMQ_ROUTER_HANDOVER``), so a decode whose connection was closed and that reconnects by itself is still the
+connection that handshook: its word keeps counting without a new handshake. The id is 16 random bytes that only
+the two ends see (inside CURVE's encryption where keys are set), so no other client can claim it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import zmq
 
 from kvplane.flows.disagg import messages
-from kvplane.flows.disagg.errors import ProtocolError
+from kvplane.flows.disagg.errors import DisaggConfigError, ProtocolError
 
 logger = logging.getLogger("kvplane.disagg")
 HWM = 100_000  # queued messages per peer before ZMQ drops: far above 200 requests' worth
+HEARTBEATS = (4, 2)  # the libzmq that has ZMQ_HEARTBEAT_*
+
+
+def heartbeats(sock: zmq.Socket[bytes], peer_timeout_s: float) -> None:
+    """PING the peer every quarter of ``peer_timeout_s``; close the connection when nothing came back for
+    ``peer_timeout_s``, and ask the peer to do the same (TTL)."""
+    if zmq.zmq_version_info()[:2] < HEARTBEATS:
+        raise DisaggConfigError(
+            f"DisaggConfig.peer_timeout_s={peer_timeout_s} needs ZMQ heartbeats, which libzmq "
+            f"{zmq.zmq_version()} lacks (they came in {'.'.join(map(str, HEARTBEATS))}); install a pyzmq that "
+            f"bundles a newer libzmq (pip install -U pyzmq)"
+        )
+    timeout_ms = round(peer_timeout_s * 1000)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, timeout_ms // 4))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
 
 
 def router(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, max_bytes: int,
-           secure: Callable[[zmq.Socket[bytes]], None]) -> tuple[zmq.Socket[bytes], int]:
+           secure: Callable[[zmq.Socket[bytes]], None], peer_timeout_s: float) -> tuple[zmq.Socket[bytes], int]:
     """A ROUTER bound to ``host:port`` (a free port when 0); returns it and the port. libzmq drops a peer
-    that sends a frame over ``max_bytes`` before reading it into memory."""
+    that sends a frame over ``max_bytes`` before reading it into memory, and one silent for ``peer_timeout_s``."""
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown identity raises instead of silently dropping
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a decode's socket that reconnected keeps its routing id
+    heartbeats(sock, peer_timeout_s)
     secure(sock)  # CURVE server options, before bind (auth.Guard)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
@@ -40,9 +68,12 @@ def router(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, max_by
 
 
 def dealer(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, max_bytes: int,
-           secure: Callable[[zmq.Socket[bytes]], None]) -> zmq.Socket[bytes]:
+           secure: Callable[[zmq.Socket[bytes]], None], peer_timeout_s: float) -> zmq.Socket[bytes]:
+    """A DEALER connected to a prefill rank, under a random routing id it keeps across reconnections."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"k" + os.urandom(15))  # not starting with 0: libzmq reserves those ids
+    heartbeats(sock, peer_timeout_s)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)

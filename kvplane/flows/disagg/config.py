@@ -23,6 +23,7 @@ Mode = Literal["pull", "push", "layerwise"]
 MODES: tuple[Mode, ...] = ("pull", "push", "layerwise")
 MiB = 1 << 20
 WHAT = "disaggregation config"
+PEER_TIMEOUT_RANGE = (0.2, 6553.0)  # seconds: ZMQ_HEARTBEAT_TTL is sent in deciseconds, at most 65535
 
 
 def _bad(name: str, value: Any, problem: str) -> DisaggConfigError:
@@ -52,7 +53,9 @@ class DisaggConfig:
     transfer starting (``push_timeout_s`` of registering, for push, which includes the prefill's compute)
     ends ``timed_out``; it is reported (its blocks released) only once no transfer can write them (the fence,
     docs/disagg.md): a push whose prefill does not confirm within ``drain_timeout_s`` has the engine reset. A handshake not answered in ``handshake_timeout_s`` fails its requests;
-    a peer's transport that does not answer a probe within ``probe_timeout_s`` fails its handshake.
+    a peer's transport that does not answer a probe within ``probe_timeout_s`` fails its handshake. A side-channel
+    connection whose peer answers no ZMQ heartbeat for ``peer_timeout_s`` (a stopped process, a dropped network) is
+    closed (``channel.py``), so a prefill rank frees the decode's name for its next connection in bounded time.
     """
 
     engine_id: str
@@ -75,6 +78,7 @@ class DisaggConfig:
     drain_timeout_s: float = 10.0
     handshake_timeout_s: float = 10.0
     probe_timeout_s: float = 3.0  # connecting the transport to a peer that handshook (off the I/O loop)
+    peer_timeout_s: float = 10.0  # a side-channel connection silent this long (ZMQ heartbeats) is closed
     staging_bytes: int = 64 * MiB  # destination buffer for transfers that must be re-laid out (decode)
     max_inflight: int = 8  # transfers in flight per peer; more wait their turn
     max_message_bytes: int = 64 * MiB
@@ -111,6 +115,10 @@ class DisaggConfig:
                      "handshake_timeout_s", "probe_timeout_s"):
             if not getattr(self, name) > 0:
                 raise _bad(name, getattr(self, name), "must be > 0 seconds")
+        if not PEER_TIMEOUT_RANGE[0] <= self.peer_timeout_s <= PEER_TIMEOUT_RANGE[1]:
+            raise _bad("peer_timeout_s", self.peer_timeout_s,
+                       f"must be within {list(PEER_TIMEOUT_RANGE)} seconds (ZMQ heartbeats count in 0.1 s steps, "
+                       f"up to 6553 s); 10 s is the default")
         if self.heartbeat_s >= self.lease_s:
             raise _bad("heartbeat_s", self.heartbeat_s, f"must be below lease_s={self.lease_s}, or leases "
                                                         f"expire between heartbeats (vLLM uses 5 s and 30 s)")

@@ -34,6 +34,7 @@ lease, and a push's re-layout run on this side's I/O loop thread; transfers on i
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Mapping
@@ -41,6 +42,7 @@ from contextlib import ExitStack
 from functools import partial
 from typing import Any, Literal
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -90,6 +92,8 @@ from kvplane.metrics import recorder
 from kvplane.metrics.watch import watch_side
 
 logger = logging.getLogger("kvplane.disagg")
+RETRY_FIRST_S = 0.5  # a failed handshake with a rank that declines wait for is tried again after this, doubling
+RETRY_MAX_S = 30.0
 
 
 class DecodeSide(SideLifecycle):
@@ -114,6 +118,8 @@ class DecodeSide(SideLifecycle):
         self._declines = PendingDeclines(max(config.lease_s, config.push_timeout_s))  # for ranks not ready yet
         self._next_heartbeat = 0.0
         self._next_check = 0.0
+        self._attempts = itertools.count(1)  # handshake numbers: an answer is taken only for the latest one sent
+        self._failures: dict[tuple[str, int], int] = {}  # handshakes failed in a row, per prefill address
         with ExitStack() as undo:  # keys refused, a part that fails: give back what was built so far, then raise
             undo.callback(self.local.close)
             self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick, self._publish)
@@ -240,6 +246,7 @@ class DecodeSide(SideLifecycle):
         self._by_remote[(want.params.remote_engine_id, want.params.remote_request_id)] = rid
         p = want.params
         for rank in range(p.tp_size):
+            self._declines.discard((p.remote_host, p.remote_port + rank), p.remote_request_id)
             conn = self._conn(p.remote_host, p.remote_port + rank, rank, p.remote_boot_id if want.mode == "pull" else "")
             conn.waiting.add(rid)
             want.conns.append(conn)
@@ -249,7 +256,6 @@ class DecodeSide(SideLifecycle):
         """The connection to one prefill rank; a new handshake when there is none, it failed, or the rank's
         lifetime differs from the one a request names (it restarted)."""
         conn = self._conns.get((host, port))
-        hello = self.local.handshake()  # made again (and the engine started again) after a reset
         other_lifetime = conn is not None and conn.state == "ready" and boot_id and conn.record is not None \
             and conn.record.boot_id != boot_id
         # again on the same socket: the prefill takes a second connection under our name only once the first is
@@ -262,12 +268,23 @@ class DecodeSide(SideLifecycle):
             # socket: the prefill knows this rank by the ZMQ connection it handshook on, and a second connection
             # under this rank's name is refused while the first lives or its handshake is still being checked
             sock = conn.socket if conn is not None else \
-                channel.dealer(self._loop.context, host, port, self.config.max_message_bytes, self._guard.client)
-            conn = Conn(host, port, rank, sock, time.monotonic(), generation=self.local.generation)
+                channel.dealer(self._loop.context, host, port, self.config.max_message_bytes, self._guard.client,
+                               self.config.peer_timeout_s)
+            conn = Conn(host, port, rank, sock, time.monotonic())
             self._conns[(host, port)] = conn
             self._loop.watch(sock, partial(self._on_readable, conn))  # replaces the failed record's handler
-            channel.send(sock, hello, self.counters)
+            self._hello(conn)
         return conn
+
+    def _hello(self, conn: Conn) -> None:
+        """Send this rank's handshake on ``conn`` under a new number; an answer to an earlier one is dropped."""
+        hello = self.local.handshake()  # made again (and the engine started again) after a reset
+        conn.deferred = self.local.generation != self.local.transport.generation
+        if conn.deferred:  # the engine is down since a reset: _check_deadlines sends it once it runs (the old
+            return  # descriptor names an engine that is gone, so the prefill would refuse it)
+        conn.generation = self.local.generation
+        conn.attempt, conn.answered = next(self._attempts), False
+        channel.send(conn.socket, msgspec.structs.replace(hello, attempt=conn.attempt), self.counters)
 
     def _rehandshake(self, conn: Conn) -> None:
         """A transport was reset since this connection handshook, or a request names another lifetime of the
@@ -277,11 +294,10 @@ class DecodeSide(SideLifecycle):
         conn.deferred = self.local.generation != self.local.transport.generation
         if conn.deferred:  # this rank's engine is not running again yet: _check_deadlines sends it then
             return
-        conn.generation = self.local.generation
         logger.warning("decode rank %d: handshaking again with prefill rank %d at %s:%d (a transport was reset, or "
                        "a request names another lifetime of it)",
                        self.config.rank, conn.rank, conn.host, conn.port)
-        channel.send(conn.socket, self.local.handshake(), self.counters)
+        self._hello(conn)
 
     def _on_reset(self, why: str) -> None:
         for conn in self._conns.values():
@@ -339,7 +355,8 @@ class DecodeSide(SideLifecycle):
                 if not action.ready_only or (conn.state == "ready" and conn.record is not None):
                     channel.send(conn.socket, action.message, self.counters)
                 elif action.later and isinstance(action.message, Cancel):  # with the rank's next good handshake
-                    self._declines.add((conn.host, conn.port), action.message, time.monotonic())
+                    boot = want.params.remote_boot_id if want.mode == "pull" else ""  # a pull's: that lifetime's
+                    self._declines.add((conn.host, conn.port), action.message, time.monotonic(), boot)
             elif isinstance(action, Start):
                 self._start(want)
             elif isinstance(action, Relayout):
@@ -386,10 +403,16 @@ class DecodeSide(SideLifecycle):
         self._receive(sock, False, lambda _, message: self._dispatch(conn, message))
 
     def _dispatch(self, conn: Conn, message: Message) -> None:
-        if isinstance(message, Handshake):
+        if isinstance(message, Handshake | Reject) and (message.attempt != conn.attempt or conn.answered):
+            logger.info("decode rank %d: prefill rank at %s:%d answered handshake %d (%s) after handshake %d was "
+                        "sent; dropped", self.config.rank, conn.host, conn.port, message.attempt,
+                        type(message).__name__, conn.attempt)
+        elif isinstance(message, Handshake):
             self._on_handshake(conn, message)
         elif isinstance(message, Reject):
-            self._conn_failed(conn, f"the prefill rank rejected the handshake: {message.reason}")
+            conn.answered = True
+            if conn.state in ("handshaking", "probing"):
+                self._conn_failed(conn, f"the prefill rank rejected the handshake: {message.reason}")
         elif isinstance(message, PushResult | Problem):
             engine = conn.record.engine_id if conn.record is not None else ""
             rid = self._by_remote.get((engine, message.request_id))
@@ -414,8 +437,11 @@ class DecodeSide(SideLifecycle):
                            type(message).__name__)
 
     def _on_handshake(self, conn: Conn, hello: Handshake) -> None:
-        if conn.state != "handshaking":
+        """The answer to ``conn``'s latest handshake: also when that one timed out (the prefill stalled), since
+        the prefill took it, and declines may wait for the rank."""
+        if conn.state not in ("handshaking", "failed"):
             return
+        conn.answered, conn.started = True, time.monotonic()
         try:
             manifest, info = check_hello(self.local, hello, expect_role="prefill")
             if hello.rank != conn.rank:
@@ -430,7 +456,8 @@ class DecodeSide(SideLifecycle):
             if error:
                 self._conn_failed(conn, f"its transport does not answer: {error}")
                 return
-            conn.record, conn.state = record(hello, manifest, info, handle), "ready"
+            conn.record, conn.state, conn.retry_at = record(hello, manifest, info, handle), "ready", float("inf")
+            self._failures.pop((conn.host, conn.port), None)
             self._conn_ready(conn)
 
         conn.state = "probing"
@@ -448,6 +475,8 @@ class DecodeSide(SideLifecycle):
 
     def _conn_failed(self, conn: Conn, reason: str) -> None:
         conn.state, conn.error, conn.deferred = "failed", reason, False  # its declines wait for the next one
+        failures = self._failures[(conn.host, conn.port)] = self._failures.get((conn.host, conn.port), 0) + 1
+        conn.retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** min(failures - 1, 16))
         logger.warning("decode rank %d: prefill rank at %s:%d: %s", self.config.rank, conn.host, conn.port, reason)
         for rid in list(conn.waiting):
             want = self._wants.get(rid)
@@ -479,6 +508,11 @@ class DecodeSide(SideLifecycle):
                                         f"handshake_timeout_s={self.config.handshake_timeout_s}" if conn.deferred
                                   else f"no answer to the handshake within {self.config.handshake_timeout_s} s; "
                                        f"is the prefill instance running and reachable?")
+        for where in self._declines.waiting(now):  # tell ranks a request was given up as soon as they answer
+            failed = self._conns.get(where)
+            if failed is not None and failed.state == "failed" and now >= failed.retry_at:
+                failed.retry_at = float("inf")
+                self._conn(failed.host, failed.port, failed.rank, "")
         for want in list(self._wants.values()):
             self._run(want, want.machine.tick(now))
 

@@ -115,10 +115,10 @@ class DecodeRequest:
         if self.phase is not Phase.CONNECT or self.verdict is not None:
             return []
         failed = [(r, v) for r, v in sorted(ranks.items()) if v.state == "failed"]
-        if failed:
+        if failed:  # every prefill rank is told: the ones that handshook by ReadDone now, the others by a Cancel
             r, v = failed[0]
-            reason = f"handshake with prefill rank {r} at {v.where} failed: {v.error}"
-            return self._give_up() + self._complete("failed", reason)  # the ranks that handshook free it now
+            self._decide("failed", f"handshake with prefill rank {r} at {v.where} failed: {v.error}")
+            return self._give_up() + self._finish()
         if any(v.state != "ready" for v in ranks.values()):
             return []
         for r, v in sorted(ranks.items()):
@@ -291,7 +291,8 @@ class DecodeRequest:
         return out + [GiveStaging(), Report(self.verdict or "done", self.reason)]
 
     def _complete(self, state: State, reason: str) -> list[Action]:
-        """Reported before anything was asked of the prefill ranks (a handshake that failed, a wrong peer)."""
+        """Reported before anything was asked of the prefill ranks, and none to tell: the peer at the address is
+        another engine, or another lifetime of it (the KV went with the old one)."""
         self.verdict, self.reason = state, reason
         self._to(Phase.REPORTED, "verdict (nothing was submitted)")
         return [GiveStaging(), Report(state, reason)]
@@ -306,10 +307,10 @@ class DecodeRequest:
 
     def _give_up(self) -> list[Action]:
         """A verdict in ``CONNECT`` (a deadline, a failed handshake, a plan that failed, an abort, a ``Problem``):
-        a push was not registered yet, so a ``Cancel`` goes to every prefill rank, which frees its blocks now
-        rather than at its push timeout: at once where the connection is ready, else once a handshake with the
-        rank succeeds (one still under way, or a later one). A pull's ranks are told by the ``ReadDone`` of the
-        report."""
-        if self.ident.mode != "push":
-            return []
-        return [Send(r, self._cancel(), ready_only=True, later=True) for r in range(self.ident.prefill_ranks)]
+        nothing was asked of the prefill ranks yet, so each is told to free its blocks now rather than at its push
+        timeout or lease: a push was not registered, so a ``Cancel`` goes to every rank; a pull's ranks that
+        handshook get the report's ``ReadDone``, the others a ``Cancel``. At once where the connection is ready,
+        else once a handshake with the rank succeeds (one still under way, or a later one: the shell retries)."""
+        told = self.boots if self.ident.mode == "pull" else {}
+        return [Send(r, self._cancel(), ready_only=True, later=True)
+                for r in range(self.ident.prefill_ranks) if r not in told]

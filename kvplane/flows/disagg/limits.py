@@ -21,6 +21,7 @@ REPLIES_PER_S = 200.0  # problem replies per second per decode connection, warni
 MAX_PEERS = 1024  # decode connections whose reply budget is kept (the least recently used one goes first)
 MAX_DECLINES = 4096  # declines a decode rank keeps for one prefill rank not connected yet (the oldest go first)
 MAX_DECLINE_PEERS = 256  # prefill ranks a decode rank keeps declines for (the least recently declined to goes first)
+MAX_PREFILL_TP = 256  # prefill ranks one kv_transfer_params may name: a decode rank opens a socket to each
 
 
 class RateLimit:

@@ -9,6 +9,10 @@ Every message is a tagged struct; ``decode`` rejects anything oversized, malform
 - prefill -> decode: ``PushResult`` (a push to this decode rank ended), ``Problem`` (a request message the
   prefill could not act on, e.g. one addressed to a previous boot of it).
 
+A decode rank numbers its handshakes on a connection (``attempt``) and the prefill's answer, its ``Handshake`` or a
+``Reject``, carries the number of the handshake it answers: a late answer to a handshake that timed out is not
+taken for the answer to the one sent after it.
+
 ``boot_id`` names one process lifetime: a peer that restarts has a new one, so the other side handshakes again
 instead of using stale descriptors. Every message about a request carries its ``token`` (``tokens.py``), which
 only the two sides of that request know.
@@ -57,6 +61,7 @@ class Handshake(msgspec.Struct, tag="handshake", frozen=True):
     manifest: bytes  # Manifest.encode()
     peer: bytes  # the transport's PeerInfo, msgpack
     fingerprint: Name  # Manifest.fingerprint: the compatibility hash both sides compare
+    attempt: Count = 0  # decode: this handshake's number on its connection; prefill: the one it answers
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):
@@ -64,6 +69,7 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
     local: str
     remote: str
     reason: str
+    attempt: Count = 0  # the number of the handshake it answers
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):

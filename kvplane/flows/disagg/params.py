@@ -23,6 +23,7 @@ import msgspec
 from kvplane.blocks.groups import HOLE
 from kvplane.flows.disagg.config import MODES, DisaggConfig, Mode
 from kvplane.flows.disagg.errors import TransferParamsError
+from kvplane.flows.disagg.limits import MAX_PREFILL_TP
 from kvplane.flows.disagg.tokens import is_token, new_token
 
 # known once the prefill finished the request (pull); push params are made before, without them
@@ -52,6 +53,12 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
             raise TransferParamsError(
                 f"kv_transfer_params: tp_size={self.tp_size}, remote_port={self.remote_port}, "
                 f"remote_num_tokens={self.remote_num_tokens} are out of range"
+            )
+        if self.tp_size > MAX_PREFILL_TP or self.remote_port + self.tp_size - 1 > 65535:
+            raise TransferParamsError(
+                f"kv_transfer_params: tp_size={self.tp_size} with remote_port={self.remote_port} names prefill ranks "
+                f"on ports {self.remote_port}..{self.remote_port + self.tp_size - 1}; a decode rank opens a socket to "
+                f"each, so at most {MAX_PREFILL_TP} ranks, all below port 65536; forward what the prefill returned"
             )
         if not self.remote_engine_id or not self.remote_request_id:
             raise TransferParamsError(

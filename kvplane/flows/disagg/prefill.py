@@ -115,7 +115,8 @@ class PrefillSide(SideLifecycle):
             self._guard = Guard(self._loop.context, curve_keys(config, "prefill"))
             undo.callback(self._guard.stop)
             self._socket, self.port = channel.router(self._loop.context, config.listen_host, config.rank_port(),
-                                                     config.max_message_bytes, self._guard.server)
+                                                     config.max_message_bytes, self._guard.server,
+                                                     config.peer_timeout_s)
             self._mover = Mover(f"kvplane-prefill-{config.rank}-transfers", self.local.transport, "WRITE",
                                 config.max_inflight, self._loop.submit, flow=config.mode)
             undo.callback(self._mover.stop)
@@ -277,6 +278,12 @@ class PrefillSide(SideLifecycle):
         if peer is None:
             self._drop(f"{type(message).__name__} claims decode {message.engine_id!r} rank {message.rank}, which "
                        f"did not handshake on that connection")
+        elif isinstance(message, ReadDone | PushRegister) and message.tp_size != peer.tp_size:
+            # the count of decode ranks the request waits for: only the one its handshake (manifest) showed
+            self._drop(f"{type(message).__name__} for request {message.request_id} says tp_size={message.tp_size}, "
+                       f"but decode {message.engine_id!r} rank {message.rank} handshook with tp_size={peer.tp_size}")
+            self._problem(identity, message.request_id, f"{type(message).__name__}.tp_size={message.tp_size} differs "
+                          f"from the tp_size={peer.tp_size} this rank handshook with; send the instance's TP size")
         elif isinstance(message, Heartbeat):
             self._on_heartbeat(identity, message)
         elif isinstance(message, ReadDone):

@@ -35,6 +35,9 @@ class Conn:
     deferred: bool = False  # handshaking again, sent once this rank's engine runs again after a reset
     record: PeerRecord | None = None
     error: str = ""
+    attempt: int = 0  # the number of the latest handshake sent on it: only the answer to that one is taken
+    answered: bool = False  # that answer came (a second one is dropped)
+    retry_at: float = float("inf")  # failed: when to handshake again if declines wait for the rank
     waiting: set[str] = field(default_factory=set)
     stages: dict[tuple[str, ...], bool] = field(default_factory=dict)
 
