@@ -18,6 +18,12 @@ setup(
             extra_compile_args=["-O2", "-std=c11"],
         ),
         Extension(
+            "kvplane._native._listener_waker",
+            sources=["kvplane/_native/listener_waker.c"],
+            extra_compile_args=["-O2", "-std=c11", "-D_POSIX_C_SOURCE=200809L"],
+            libraries=["pthread"],
+        ),
+        Extension(
             "kvplane._native._async_copy",
             sources=["kvplane/_native/async_copy.c"],
             extra_compile_args=["-O2", "-std=c11"],

@@ -44,6 +44,7 @@ from kvplane.logs import quiet_engine_logs
 from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig, local_remote
 from kvplane.transports.batching import Deadline, check_op, check_plan, check_spans
 from kvplane.transports.chunked import Job
+from kvplane.transports.listener import woken
 from kvplane.transports.mooncake_transfer import NOT_SUBMITTED, MooncakeTransfer
 from kvplane.transports.pacing import Pace
 from kvplane.transports.restarts import RestartBackoff
@@ -273,7 +274,8 @@ class MooncakeTransport(Transport):
         if self._spans and not lingering and engine is not None:  # None: down since a reset
             engine.batch_unregister_memory([a for a, _ in self._spans])
         self._spans = []
-        del engine  # the binding's destructor closes segments and stops the engine's threads
+        with woken(self._rpc_port):
+            del engine  # the binding's destructor closes segments and stops the engine's threads
 
     def reset(self) -> None:
         self._check_open("reset")
@@ -302,7 +304,8 @@ class MooncakeTransport(Transport):
         if engine is not None:
             if self._spans:
                 engine.batch_unregister_memory([a for a, _ in self._spans])
-            del engine  # closes the engine's TCP sessions: no batch queued before can land here any more
+            with woken(self._rpc_port):
+                del engine  # closes the engine's TCP sessions: no batch queued before can land here any more
         self.generation += 1
         for transfer in transfers:
             transfer.engine_reset()
