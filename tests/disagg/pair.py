@@ -11,6 +11,7 @@ import hashlib
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,17 @@ from kvplane.kv.spec import KVSpec
 cpu = get_backend("cpu")
 FAST = {"lease_s": 5.0, "heartbeat_s": 0.5, "transfer_timeout_s": 10.0, "handshake_timeout_s": 5.0,
         "push_timeout_s": 15.0, "drain_timeout_s": 5.0}
+
+
+LONG: dict[str, Any] = {"lease_s": 600.0, "push_timeout_s": 600.0}  # nothing a test waits for expires
+
+
+def until(what: str, done: Callable[[], bool], within_s: float = 20.0) -> None:
+    """Wait for an event the code under test makes happen (never a guessed sleep); fail naming it."""
+    end = time.monotonic() + within_s
+    while not done():
+        assert time.monotonic() < end, what
+        time.sleep(0.002)
 
 
 def small_spec(block: int = 16, layers: int = 4) -> KVSpec:

@@ -18,13 +18,12 @@ import msgspec
 import pytest
 import zmq
 from kvfill import digest
-from pair import Engine, make, small_spec
+from pair import LONG, Engine, make, small_spec
 from rank_pool import spawn
 from zmq.utils.monitor import recv_monitor_message
 
 from kvplane.flows.disagg import TransferParams
 
-LONG: dict[str, Any] = {"lease_s": 600.0, "push_timeout_s": 600.0}
 SPEC = small_spec()
 TOKENS = 40
 PEER_TIMEOUT_S = 2.0  # short, yet long enough that a loaded 2-core machine does not starve a live peer

@@ -8,28 +8,17 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 from kvfill import digest
-from pair import Engine, make, small_spec
+from pair import LONG, Engine, make, small_spec, until
 from rank_pool import spawn
 
-LONG: dict[str, Any] = {"lease_s": 600.0, "push_timeout_s": 600.0}
 SPEC = small_spec()
 TOKENS = 40
-
-
-def until(what: str, done: Callable[[], bool], within_s: float = 20.0) -> None:
-    """Wait for an event the code under test makes happen (never a guessed sleep); fail naming it."""
-    end = time.monotonic() + within_s
-    while not done():
-        assert time.monotonic() < end, what
-        time.sleep(0.002)
 
 
 def state(decode: Engine) -> str:

@@ -7,14 +7,12 @@ it released the request ``done`` at once, under rank 1's coming READ). Real side
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
-from pair import make, small_spec
+from pair import LONG, make, small_spec
 
 from kvplane.flows.disagg.messages import ReadDone
 from kvplane.kv.spec import KVSpec
 
-LONG: dict[str, Any] = {"lease_s": 600.0, "push_timeout_s": 600.0}
 TOKENS = 40
 
 

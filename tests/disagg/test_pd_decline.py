@@ -10,16 +10,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
-from pair import Engine, free_port_run, make, push_params, ready_prefill_ranks, small_spec, token_for
+from pair import LONG, Engine, free_port_run, make, push_params, ready_prefill_ranks, small_spec, token_for
 from rank_pool import spawn
 
 from kvplane.kv.spec import KVSpec
 
-LONG: dict[str, Any] = {"lease_s": 600.0, "push_timeout_s": 600.0}
 SPEC = small_spec()
 
 

@@ -1,6 +1,6 @@
-"""Fixtures the tests that drive vLLM's real Scheduler share: one tiny model directory per module, and the
-engines a test made, shut down after it whatever happened. ``realsched`` (which imports vLLM) is imported only
-when a test asks for them."""
+"""Fixtures the tests that drive vLLM's real Scheduler share: one tiny model directory per module, the
+engines a test made, shut down after it whatever happened, and a real ``mooncake_master`` per module for the
+store-tier tests. ``realsched`` (which imports vLLM) is imported only when a test asks for them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 
 if TYPE_CHECKING:
     from realsched import RealEngine
+
+    from kvplane.flows.offload import MooncakeMaster
 
 
 @pytest.fixture(scope="module")
@@ -26,3 +28,12 @@ def engines() -> Iterator[list[RealEngine]]:
     yield made
     for e in made:
         e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[MooncakeMaster]:
+    from kvplane.flows.offload import start_master
+
+    m = start_master()
+    yield m
+    m.stop()

@@ -50,6 +50,14 @@ TINY_LLAMA = {
 }
 
 
+def drop_host_tier(worker: Any) -> None:
+    """Another request's stores take every host block of ``worker``'s offload: nothing of a prefix is left in the
+    host tier (a store-tier test then finds it only in the store)."""
+    index = worker.offload.index
+    for g in index.pools:
+        index.release(g, index.allocate(g, index.pools[g].num_free, worker.offload.store.before_evict))
+
+
 def tiny_model_dir(root: Path) -> str:
     path = root / "tiny-llama"
     path.mkdir(exist_ok=True)

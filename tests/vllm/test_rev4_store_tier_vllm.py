@@ -4,35 +4,20 @@ store and loaded back with the bytes the first request computed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 pytest.importorskip("mooncake.store", reason="the store tier needs Mooncake Store: mooncake-transfer-engine-non-cuda")
 
-from realsched import RealEngine, reference_digest  # noqa: E402
+from realsched import RealEngine, drop_host_tier, reference_digest  # noqa: E402
 
-from kvplane.flows.offload import MooncakeMaster, start_master  # noqa: E402
+from kvplane.flows.offload import MooncakeMaster  # noqa: E402
 
 pytestmark = pytest.mark.integration
 PROMPT = [(i * 29 + 11) % 997 for i in range(70)]
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def master() -> Iterator[MooncakeMaster]:
-    m = start_master()
-    yield m
-    m.stop()
-
-
-def _drop_host_tier(worker: Any) -> None:
-    """Another request's stores take every host block: nothing of the prefix is left in the host tier."""
-    index = worker.offload.index
-    for g in index.pools:
-        index.release(g, index.allocate(g, index.pools[g].num_free, worker.offload.store.before_evict))
 
 
 @pytest.mark.parametrize("window", [0, 32], ids=["one-group", "hybrid"])
@@ -51,7 +36,7 @@ def test_a_prefix_the_host_tier_dropped_is_loaded_from_the_store_under_vllms_sch
     engine.finish("a")
     engine.drain()
     worker.offload.wait_idle()  # the write-through puts are done
-    _drop_host_tier(worker)
+    drop_host_tier(worker)
     assert all(pool.num_unused == pool.num_blocks for pool in worker.offload.index.pools.values())
     engine.add("b", PROMPT)
     engine.finish("b")

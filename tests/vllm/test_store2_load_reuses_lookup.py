@@ -6,7 +6,6 @@ store would hold up every layer of the forward behind that lock). Failed on main
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,20 +13,14 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 pytest.importorskip("mooncake.store", reason="the store tier needs Mooncake Store: mooncake-transfer-engine-non-cuda")
 
-from realsched import RealEngine, reference_digest  # noqa: E402
+from realsched import RealEngine, drop_host_tier, reference_digest  # noqa: E402
 
-from kvplane.flows.offload import MooncakeMaster, start_master  # noqa: E402
+from kvplane.flows.offload import MooncakeMaster  # noqa: E402
 
 pytestmark = pytest.mark.integration
 PROMPT = [(i * 31 + 7) % 991 for i in range(70)]
 MiB = 1 << 20
 
-
-@pytest.fixture(scope="module")
-def master() -> Iterator[MooncakeMaster]:
-    m = start_master()
-    yield m
-    m.stop()
 
 
 class ExistsSpy:
@@ -42,12 +35,6 @@ class ExistsSpy:
         self.threads.append(threading.current_thread().name)
         return self.real(keys)
 
-
-def _drop_host_tier(worker: Any) -> None:
-    """Another request's stores take every host block: nothing of the prefix is left in the host tier."""
-    index = worker.offload.index
-    for g in index.pools:
-        index.release(g, index.allocate(g, index.pools[g].num_free, worker.offload.store.before_evict))
 
 
 @pytest.mark.parametrize("window", [0, 32], ids=["one-group", "hybrid"])
@@ -66,7 +53,7 @@ def test_a_store_load_reuses_the_lookups_answer_and_never_asks_the_store_under_t
     engine.finish("a")
     engine.drain()
     worker.offload.wait_idle()  # the write-through puts are done
-    _drop_host_tier(worker)
+    drop_host_tier(worker)
     spy = ExistsSpy(tier.exists)
     tier.exists = spy  # type: ignore[method-assign]
     engine.add("b", PROMPT)
