@@ -102,3 +102,45 @@ def test_a_reject_answering_a_timed_out_handshake_does_not_fail_the_retry(tmp_pa
     finally:
         decode.close()
         worker.kill()
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_an_answer_to_a_handshake_sent_before_this_ranks_reset_is_not_taken_for_the_new_descriptor(
+    tmp_path: Path, engine: str
+) -> None:
+    """While the prefill is stopped, pull "a" fails on its handshake's timeout and the rank retries the handshake
+    (to deliver a's Cancel); then this rank's engine is reset, and pull "b" waits on that retried handshake, which
+    names the engine that is gone. Once the prefill resumes it refuses it (it cannot reach the old engine): that
+    answer is about a descriptor this rank no longer has, so the rank handshakes again with the new one and b is
+    done. Before, b failed with the refusal (seen once in a full CI run, NIXL)."""
+    worker, held = prefill_worker(tmp_path, engine, {"r1": [0, 1, 2], "r2": [5, 6, 7]})
+    decode = make("decode", SPEC, engine=engine, handshake_timeout_s=1.0, **LONG)
+    try:
+        ids = {"a": decode.allocate(TOKENS), "b": decode.allocate(TOKENS)}
+        side = decode.side
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        try:
+            side.start_pull("a", held["r1"], {0: ids["a"]})
+            assert decode.wait("a").state in ("failed", "timed_out")
+            conn = lambda: next(iter(side._conns.values()))  # noqa: E731
+            until("a's Cancel was never retried", lambda: conn().state == "handshaking" and conn().attempt >= 2)
+            generation = side.local.transport.generation
+            side._loop.submit(lambda: side._mover.fence(lambda: None, "test: a reset under a retried handshake"))
+            until("the decode's engine was never reset", lambda: side.local.transport.generation != generation)
+            side._loop.submit(lambda: None).result(10.0)  # the loop saw the reset's aftermath, if it came
+            side.start_pull("b", held["r2"], {0: ids["b"]})
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        done = decode.wait("b", within_s=30.0)
+        assert done.state == "done", done
+        assert digest(SPEC, decode.cache, "packed_kv", {0: ids["b"]}, TOKENS) == \
+            worker.ask(cmd="digest", table={0: [5, 6, 7]}, tokens=TOKENS)["digest"]
+        assert worker.ask(cmd="wait", request_id="r2", within=20.0)["state"] == "done"
+        freed = worker.ask(cmd="wait", request_id="r1", within=20.0)
+        assert freed["state"] == "failed" and "gave the request up" in freed["reason"], freed
+        for rid in ("a", "b"):
+            decode.pool.free(ids[rid])
+        assert decode.whole and decode.side.pending_requests() == 0
+    finally:
+        decode.close()
+        worker.kill()

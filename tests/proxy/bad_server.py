@@ -9,8 +9,8 @@ One port per behaviour ``B`` (the ready file maps each to its port):
 - ``hang``: reads the request and never answers; ``reset``: resets the connection (RST) without answering;
 - ``midstream``: starts a stream, sends one event, then resets; ``trickle``: sends one event, then nothing.
 
-``GET /v1/models`` answers a model list naming the port (``ok``...), or as the behaviour says (``fail``: 500,
-``garbage``: not JSON, ``hang``, ``reset``). ``GET /health`` answers 200, or 503 after ``POST /health/down`` (``POST /health/up`` restores it). Handlers of
+``GET /v1/models`` answers a model list naming the port (``ok``...), or misbehaves as the completions do
+(``fail``, ``reject``, ``garbage``, ``hang``, ``reset``). ``GET /health`` answers 200, or 503 after ``POST /health/down`` (``POST /health/up`` restores it). Handlers of
 this process may hang forever: it runs apart from the test so that they count in no leak check.
 """
 
@@ -43,8 +43,8 @@ def reset(request: web.Request) -> None:
 def behaviour(kind: str, port: int) -> Any:
     healthy = {"up": True}
 
-    async def serve(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+    async def misbehave(request: web.Request) -> web.Response | None:
+        """The answer of a misbehaving kind (``hang`` never answers), or None for one that answers well."""
         if kind == "hang":
             await asyncio.sleep(3600)
         if kind == "reset":
@@ -56,6 +56,13 @@ def behaviour(kind: str, port: int) -> Any:
             return web.json_response({"error": {"message": "prompt too long for this model"}}, status=400)
         if kind == "garbage":
             return web.Response(body=b"<html>not json{", content_type="application/json")
+        return None
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bad = await misbehave(request)
+        if bad is not None:
+            return bad
         if kind == "slow":
             await asyncio.sleep(1.0)
         answer = {"id": "x", "object": "text_completion", "model": body.get("model"),
@@ -78,15 +85,9 @@ def behaviour(kind: str, port: int) -> Any:
         return out
 
     async def models(request: web.Request) -> web.StreamResponse:
-        if kind == "hang":
-            await asyncio.sleep(3600)
-        if kind == "reset":
-            reset(request)
-            return web.Response()
-        if kind == "fail":
-            return web.json_response({"error": {"message": "engine exploded"}}, status=500)
-        if kind == "garbage":
-            return web.Response(body=b"<html>not json{", content_type="application/json")
+        bad = await misbehave(request)
+        if bad is not None:
+            return bad
         return web.json_response({"object": "list", "data": [{"id": f"tiny-{port}", "object": "model",
                                                                "owned_by": "vllm", "root": "tiny", "max_model_len": 64}],
                                   "echo": {"x_request_id": request.headers.get("X-Request-Id"),

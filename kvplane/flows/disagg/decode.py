@@ -407,6 +407,12 @@ class DecodeSide(SideLifecycle):
             logger.info("decode rank %d: prefill rank at %s:%d answered handshake %d (%s) after handshake %d was "
                         "sent; dropped", self.config.rank, conn.host, conn.port, message.attempt,
                         type(message).__name__, conn.attempt)
+        elif isinstance(message, Handshake | Reject) and conn.state == "handshaking" and \
+                conn.generation != self.local.transport.generation:
+            # it answers a handshake that named this rank's engine before a reset (sent before it, or a retry
+            # sent meanwhile): whatever the verdict, it is about a descriptor that is gone; ask again with the new
+            conn.answered = True
+            self._rehandshake(conn)
         elif isinstance(message, Handshake):
             self._on_handshake(conn, message)
         elif isinstance(message, Reject):
