@@ -22,7 +22,6 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
 
 import numpy as np
-import numpy.typing as npt
 
 from kvplane.backend.base import Backend, Event
 from kvplane.blocks.groups import Ids, PerGroup, per_group
@@ -35,6 +34,7 @@ from kvplane.flows.offload.index import HostIndex
 from kvplane.flows.offload.jobs import GroupBlocks, LoadJob, StoreJob, paired
 from kvplane.flows.offload.keyed_pool import as_hashes
 from kvplane.flows.offload.keys import fingerprint
+from kvplane.flows.offload.presence import BoolArray, InStore, LookupAnswers
 from kvplane.flows.offload.spill import StoreLink, check_fits
 from kvplane.flows.offload.store import StoreTier
 from kvplane.kv.binding import LayoutChoice, regions_from_tensors
@@ -45,8 +45,6 @@ from kvplane.metrics.watch import record_offload, watch_offload
 
 SAVE_TASKS = 8  # see OffloadEngine._save_batch
 LoadRequest = tuple[str, PerGroup, PerGroup]  # (request id, block hashes, device block ids)
-BoolArray = npt.NDArray[np.bool_]
-InStore = dict[int, BoolArray]  # per group: which of a lookup's blocks the store tier holds
 
 
 class OffloadEngine:
@@ -83,8 +81,10 @@ class OffloadEngine:
         self._load_planner = {g: self.copier.load_planner(names) for g, names in self._group_layers.items()}
         self.fingerprint = fingerprint(spec, regions, tp_rank, tp_size)
         self.store: StoreLink | None = None
+        store_config = store_tier.config if store_tier is not None else config.store
+        if store_config is not None:  # before a client sets up and lends its segment
+            check_fits(store_config, self.pool.block_bytes)
         if store_tier is None and config.store is not None:
-            check_fits(config.store, self.pool.block_bytes)  # before a client sets up and lends its segment
             store_tier = StoreTier(config.store)
         if store_tier is not None:
             self.store = StoreLink(store_tier, self.index, self.pool, self.fingerprint)
@@ -101,9 +101,7 @@ class OffloadEngine:
         self._stored: set[str] = set()
         self._loaded: set[str] = set()
         self._load_errors: set[int] = set()
-        # request -> (the hashes its lookup asked per group, what the store answered for them): a load of the
-        # same request and keys reads this answer instead of asking the store again (under the caller's lock)
-        self._presence: dict[str, tuple[dict[int, Ids], InStore]] = {}
+        self._presence = LookupAnswers()  # a load of the same request and keys reads these, not the store
 
     # -- queries ------------------------------------------------------------------------------------------
     def lookup(self, block_hashes: PerGroup, in_store: InStore | None = None) -> int:
@@ -138,10 +136,10 @@ class OffloadEngine:
         drops it: the connector's holds do, when the load took its blocks or the request will not load)."""
         hashes = {g: as_hashes(h) for g, h in per_group("block_hashes", block_hashes, self._group_ids,
                                                         OffloadError).items()}
-        self._presence[request_id] = (hashes, in_store)
+        self._presence.remember(request_id, hashes, in_store)
 
     def forget_presence(self, request_id: str) -> None:
-        self._presence.pop(request_id, None)
+        self._presence.forget(request_id)
 
     def loads_presence(self, requests: Iterable[tuple[str, PerGroup]]) -> dict[str, InStore]:
         """The store's answer for loads that have no remembered one (``remember_presence``), asked now: call it
@@ -151,28 +149,11 @@ class OffloadEngine:
         asked = {}
         for rid, hashes in requests:
             groups = per_group("block_hashes", hashes, self._group_ids, OffloadError)
-            if any(self._remembered(rid, g, as_hashes(h)) is None for g, h in groups.items()):
+            if any(self._presence.find(rid, g, as_hashes(h)) is None for g, h in groups.items()):
                 found = self.store_presence(hashes)
                 if found is not None:
                     asked[rid] = found
         return asked
-
-    def _remembered(self, request_id: str, group: int, hashes: Ids) -> BoolArray | None:
-        """The lookup's store answer for ``hashes`` (a run of the hashes it asked, as a load takes them from the
-        first block vLLM does not hold), or None when the request's lookup asked for other keys."""
-        known = self._presence.get(request_id)
-        if known is None or group not in known[0] or group not in known[1]:
-            return None
-        asked, found = known[0][group], known[1][group]
-        if not len(hashes):
-            return np.zeros(0, dtype=bool)
-        at = np.flatnonzero(asked == hashes[0])
-        if not at.size:
-            return None
-        a = int(at[0])
-        if a + len(hashes) > len(asked) or not np.array_equal(asked[a : a + len(hashes)], hashes):
-            return None
-        return found[a : a + len(hashes)]
 
     def _runs(self, group: int, hashes: list[int], in_store: BoolArray | None = None) -> list[tuple[bool, int]]:
         """The available prefix as runs ``(in_store, count)``: host runs and store runs alternate."""
@@ -356,7 +337,7 @@ class OffloadEngine:
             keys = as_hashes(hashes)  # once: the host index reads this array
             found = in_store.get(g) if in_store is not None else None
             if found is None or len(found) != len(keys):
-                found = self._remembered(request_id, g, keys)
+                found = self._presence.find(request_id, g, keys)
             host_ids = self._gather(g, hashes, keys, found)
             m = len(host_ids)
             if m:

@@ -40,7 +40,6 @@ def check_fits(config: StoreConfig, block_bytes: dict[int, int]) -> None:
 
 class StoreLink:
     def __init__(self, tier: StoreTier, index: HostIndex, pool: HostPool, fingerprint: str) -> None:
-        check_fits(tier.config, pool.block_bytes)
         self.tier, self.index, self.pool, self.fingerprint = tier, index, pool, fingerprint
         self.write_through = tier.config.write_through
         self._writes: list[StoreWrite] = []

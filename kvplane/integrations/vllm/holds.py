@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.flows.offload import OffloadEngine
-from kvplane.flows.offload.engine import InStore
+from kvplane.flows.offload.presence import InStore
 
 logger = logging.getLogger("kvplane.vllm")
 HELD_SHARE = 0.5  # of the host tier, at most, held for promised lookups: stores keep the other half
