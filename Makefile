@@ -13,6 +13,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.kvplane-installed
 TORCH  ?= torch==2.13.0
+# Triton for the copy kernel's byte tests under its interpreter, outside the venv's path (vLLM must not see a
+# Triton without a GPU driver): tests/unit/test_triton_copy_kernel.py runs it in a child process
+TRITON ?= triton==3.6.0
 EXTRAS ?= test,bench,engines,vllm,metrics
 VLLM   ?= vllm==0.27.1 xgrammar>=0.2.1,<1.0
 VLLM2  ?= vllm==0.33.0 xgrammar==0.2.8 oss-harmony>=0.0.11
@@ -33,6 +36,7 @@ $(STAMP): $(PY) pyproject.toml setup.py kvplane/_native/*.c backends/*/pyproject
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[$(EXTRAS)]" -e backends/cuda -e backends/ascend -e backends/mlu
 	$(PY) -c "import vllm" 2>/dev/null || $(PIP) install -q --no-deps $(foreach p,$(VLLM),"$(p)")
+	[ -d $(VENV)/triton-interp/triton ] || $(PIP) install -q --no-deps --target $(VENV)/triton-interp "$(TRITON)"
 	@touch $(STAMP)
 
 $(STAMP2): $(STAMP)

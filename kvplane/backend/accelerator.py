@@ -22,13 +22,28 @@ Emulated devices are test doubles (``kvplane.testing``): subclasses that overrid
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvplane.backend.base import DIRECTIONS, Backend, Direction, Event, Probe, Stream
+from kvplane.backend.gather import (
+    CROSSOVERS,
+    GATHER_ENV,
+    SPAN,
+    CopyKernel,
+    Crossover,
+    KernelPath,
+    PinnedRanges,
+    RouteName,
+    crossover_from_env,
+    measure,
+)
 from kvplane.backend.probing import probe_device_package
 from kvplane.backend.vendor_copy import CopyFunction, copy_error, enqueue, load_copy_function
 from kvplane.descriptors import CopyPlan
@@ -61,6 +76,10 @@ class AcceleratorBackend(Backend):
     def __init__(self, device_index: int = 0) -> None:
         super().__init__(device_index)
         self._copy_fn: CopyFunction | None = None
+        self._kernel: KernelPath | None = None  # resolved once (_kernel_checked)
+        self._kernel_checked = False
+        self._lock = threading.Lock()
+        self.pinned = PinnedRanges()  # host memory alloc_host pinned, which a copy kernel may address
         self.copy_notes: list[str] = []  # what reports should say about the copy path (fallbacks taken)
 
     @classmethod
@@ -143,8 +162,15 @@ class AcceleratorBackend(Backend):
         import torch
 
         # pinning goes through the device package's host allocator; host memory as device memory needs none
+        addressable = pinned  # by the device: pinned memory, or host memory that is the device's memory
         pinned = pinned and self.device().type != "cpu"
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        if addressable:
+            addr = int(buffer.data_ptr())
+            self.pinned.add(addr, nbytes)
+            # forgotten with the memory (the storage outlives the tensor while views of it live)
+            weakref.finalize(buffer.untyped_storage(), self.pinned.remove, addr)
+        return buffer
 
     def memcpy_libraries(self) -> tuple[str, ...]:
         """Library names to try for ``memcpy_symbol``, in order."""
@@ -169,26 +195,107 @@ class AcceleratorBackend(Backend):
         return "; ".join([self._copy_function().describe(), *self.copy_notes])
 
     def _execute(self, plan: CopyPlan, stream: Stream | None, *, direction: Direction | None = None) -> None:
+        self.execute_route(plan, stream, direction=direction)
+
+    def execute_route(
+        self, plan: CopyPlan, stream: Stream | None, *, direction: Direction | None = None,
+        route: RouteName = "auto",
+    ) -> None:
+        """``execute`` by a named route (``routes()``): ``auto`` picks as ``execute`` does; ``dma`` is the copy
+        function, ``loop`` its per-descriptor fallback, ``staged`` and ``direct`` the copy kernel (``gather``)."""
         kind = self._memcpy_kind(direction)
         target = stream if stream is not None else self.current_stream()
-        function = self._copy_function()
+        if route != "auto" and route not in self.routes():
+            raise BackendError(f"{self.label}: route={route!r} is not one of this backend's {self.routes()}")
         with self._device_errors("enqueueing a copy plan"), self.device_module().device(self.device_index):
-            handle = self._stream_handle(target)
-            if handle == 0 and function.fallback is not None:
-                function = function.fallback  # batched APIs refuse the legacy default stream (handle 0)
-            failure = enqueue(function, plan, kind, handle)
-            if failure is not None and function.fallback is not None:
-                # a batch the driver refused: the per-descriptor loop re-copies it (plans never copy into
-                # their own sources, so running a descriptor twice leaves the same bytes)
-                fallback = function.fallback
-                failure, function = enqueue(fallback, plan, kind, handle), fallback
-                if failure is None:
-                    self._copy_fn = fallback
-                    self.copy_notes.append(f"batched copy refused by the driver; using {fallback.describe()}")
-        if failure is not None:
-            raise copy_error(self.label, function, plan, failure)
+            path = self._kernel_path()
+            chosen: RouteName = path.route(plan, direction or "") if route == "auto" and path is not None else route
+            if (chosen == "staged" or chosen == "direct") and path is not None:
+                path.run(chosen, plan, direction or "", target, lambda p: self._dma(p, kind, target),
+                         lambda n: self._staging(n, target))
+            else:
+                self._dma(plan, kind, target, loop=chosen == "loop")
         if stream is None:
             target.synchronize()
+
+    def routes(self) -> tuple[RouteName, ...]:
+        """The routes ``execute_route`` takes here."""
+        names: list[RouteName] = ["auto", "dma"]
+        if self._copy_function().fallback is not None:
+            names.append("loop")
+        if self._kernel_path() is not None:
+            names += ["staged", "direct"]
+        return tuple(names)
+
+    def _dma(self, plan: CopyPlan, kind: int, handle_of: Stream, *, loop: bool = False) -> None:
+        """Enqueue ``plan`` through the copy function (``loop``: its per-descriptor fallback)."""
+        function = self._copy_function()
+        handle = self._stream_handle(handle_of)
+        if function.fallback is not None and (handle == 0 or loop):
+            function = function.fallback  # batched APIs refuse the legacy default stream (handle 0)
+        failure = enqueue(function, plan, kind, handle)
+        if failure is not None and function.fallback is not None:
+            # a batch the driver refused: the per-descriptor loop re-copies it (plans never copy into
+            # their own sources, so running a descriptor twice leaves the same bytes)
+            fallback = function.fallback
+            failure, function = enqueue(fallback, plan, kind, handle), fallback
+            if failure is None:
+                self._copy_fn = fallback
+                self.copy_notes.append(f"batched copy refused by the driver; using {fallback.describe()}")
+        if failure is not None:
+            raise copy_error(self.label, function, plan, failure)
+
+    # -- the copy kernel: small descriptors gathered on the device (kvplane.backend.gather) --------------
+    def copy_kernel(self) -> CopyKernel | None:
+        """This device's kernel copying every descriptor of a plan in one launch, or None (plans go by DMA
+        only). A backend package returns its own (the cuda backend's is Triton); see docs/backends.md."""
+        return None
+
+    def _kernel_path(self) -> KernelPath | None:
+        """The copy kernel with its crossover, resolved once; None without a kernel or with the kernel off."""
+        if not self._kernel_checked:
+            kernel = self.copy_kernel()
+            fixed = crossover_from_env(os.environ.get(GATHER_ENV))
+            if kernel is not None and (fixed is None or fixed.size > 0):
+                self._kernel = KernelPath(kernel, lambda: fixed or self.crossover(), self.pinned)
+            self._kernel_checked = True
+        return self._kernel
+
+    def crossover(self) -> Crossover:
+        """The measured crossover of DMA and the copy kernel on this device (cached per device name)."""
+        path = self._kernel_path()
+        if path is None:
+            return Crossover(0, 1, "no copy kernel")
+        with self._lock:  # one measurement per process, whichever thread asks first
+            return CROSSOVERS.get(f"{self.name}:{self._device_name()}", lambda: self._measure(path.kernel))
+
+    def _measure(self, kernel: CopyKernel) -> Crossover:
+        device, host = self.alloc_device(SPAN), self.alloc_host(SPAN)
+        stream, event = self.new_stream(), self.new_event()
+        kind = self._memcpy_kind("d2h")
+
+        def by_dma(plan: CopyPlan) -> None:
+            self._dma(plan, kind, stream)
+            event.record(stream)
+            event.synchronize()
+
+        def by_kernel(plan: CopyPlan) -> None:
+            kernel.launch(plan, stream)
+            event.record(stream)
+            event.synchronize()
+
+        with self.device_module().device(self.device_index):
+            return measure(by_dma, by_kernel, int(device.data_ptr()), int(host.data_ptr()))
+
+    def _device_name(self) -> str:
+        try:
+            return str(self.device_module().get_device_name(self.device_index))
+        except Exception:  # noqa: BLE001 - a module without get_device_name: key by index alone
+            return f"device{self.device_index}"
+
+    def _staging(self, nbytes: int, stream: Stream) -> torch.Tensor:
+        with self.device_module().stream(stream):  # the caching allocator reuses it only in this stream's order
+            return self.alloc_device(nbytes)
 
     def _memcpy_kind(self, direction: Direction | None) -> int:
         if direction is None:

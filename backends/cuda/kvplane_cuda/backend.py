@@ -1,17 +1,20 @@
 """The cuda backend: NVIDIA GPUs through ``torch.cuda`` (vLLM's layouts, NCCL, Mooncake rdma, NIXL VRAM).
 
-Only device facts live here, plus the batched copy: plans run as one ``cudaMemcpyBatchAsync`` where the CUDA
-runtime has it (``batch``), else as one ``cudaMemcpyAsync`` per coalesced descriptor, looped in C. Streams,
-events and pinned memory come from ``AcceleratorBackend``.
+Only device facts live here, plus the copy paths: plans run as one ``cudaMemcpyBatchAsync`` where the CUDA
+runtime has it (``batch``), else as one ``cudaMemcpyAsync`` per coalesced descriptor, looped in C; plans of
+small descriptors go through the Triton copy kernel (``gather``) where Triton is installed, below the crossover
+``kvplane.backend.gather`` measures. Streams, events and pinned memory come from ``AcceleratorBackend``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from typing import ClassVar
 
 from kvplane.backend.accelerator import AcceleratorBackend
 from kvplane.backend.base import Probe
+from kvplane.backend.gather import CopyKernel
 from kvplane.backend.vendor_copy import CopyFunction
 
 
@@ -60,6 +63,15 @@ class CudaBackend(AcceleratorBackend):
 
         major = (torch.version.cuda or "").split(".")[0]
         return (f"libcudart.so.{major}", self.memcpy_library) if major else (self.memcpy_library,)
+
+    def copy_kernel(self) -> CopyKernel | None:
+        """The Triton copy kernel (``gather``), where Triton is installed: small descriptors go through it."""
+        if importlib.util.find_spec("triton") is None:
+            self.copy_notes.append("no Triton here: every plan goes by DMA (pip install triton for the copy kernel)")
+            return None
+        from kvplane_cuda.gather import TritonCopyKernel
+
+        return TritonCopyKernel(self.device(), self.device_module().stream)
 
     def load_copy_function(self) -> CopyFunction:
         """``cudaMemcpyBatchAsync`` where the runtime has it, falling back to the ``cudaMemcpyAsync`` loop."""
