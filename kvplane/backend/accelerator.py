@@ -208,7 +208,7 @@ class AcceleratorBackend(Backend):
         if route != "auto" and route not in self.routes():
             raise BackendError(f"{self.label}: route={route!r} is not one of this backend's {self.routes()}")
         with self._device_errors("enqueueing a copy plan"), self.device_module().device(self.device_index):
-            path = self._kernel_path()
+            path = self.kernel_path()
             chosen: RouteName = path.route(plan, direction or "") if route == "auto" and path is not None else route
             if (chosen == "staged" or chosen == "direct") and path is not None:
                 path.run(chosen, plan, direction or "", target, lambda p: self._dma(p, kind, target),
@@ -218,12 +218,17 @@ class AcceleratorBackend(Backend):
         if stream is None:
             target.synchronize()
 
+    def route_for(self, plan: CopyPlan, direction: Direction) -> RouteName:
+        """The route ``execute`` takes for ``plan`` (for reports)."""
+        path = self.kernel_path()
+        return path.route(plan, direction) if path is not None else "dma"
+
     def routes(self) -> tuple[RouteName, ...]:
         """The routes ``execute_route`` takes here."""
         names: list[RouteName] = ["auto", "dma"]
         if self._copy_function().fallback is not None:
             names.append("loop")
-        if self._kernel_path() is not None:
+        if self.kernel_path() is not None:
             names += ["staged", "direct"]
         return tuple(names)
 
@@ -251,7 +256,7 @@ class AcceleratorBackend(Backend):
         only). A backend package returns its own (the cuda backend's is Triton); see docs/backends.md."""
         return None
 
-    def _kernel_path(self) -> KernelPath | None:
+    def kernel_path(self) -> KernelPath | None:
         """The copy kernel with its crossover, resolved once; None without a kernel or with the kernel off."""
         if not self._kernel_checked:
             kernel = self.copy_kernel()
@@ -263,7 +268,7 @@ class AcceleratorBackend(Backend):
 
     def crossover(self) -> Crossover:
         """The measured crossover of DMA and the copy kernel on this device (cached per device name)."""
-        path = self._kernel_path()
+        path = self.kernel_path()
         if path is None:
             return Crossover(0, 1, "no copy kernel")
         with self._lock:  # one measurement per process, whichever thread asks first

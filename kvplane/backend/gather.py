@@ -43,7 +43,9 @@ SIZES = tuple(1 << s for s in range(10, 19))  # 1 KiB .. 256 KiB, what ``measure
 COUNTS = (1, 2, 4, 8, 16, 32, 64)
 PROBE_SIZE = 4 << 10
 SPAN = 64 << 20  # bytes of device and host memory ``measure`` borrows
-NEVER = 1 << 62  # a crossover the kernel never reaches (DMA never wins)
+# where DMA wins at no measured size, the kernel still stops at twice the largest: a kernel takes SMs from the
+# model's compute, a copy engine does not, and past 256 KiB DMA runs near its peak anyway
+BEYOND = 2 * SIZES[-1]
 
 
 class CopyKernel(Protocol):
@@ -190,7 +192,7 @@ def measure(
     """Time d2h plans of spread descriptors by DMA and by the kernel (each call returns once its copy is done):
     ``size`` is the smallest of ``SIZES`` where DMA is not slower, ``count`` the fewest descriptors of
     ``PROBE_SIZE`` bytes for which the kernel is faster."""
-    size = NEVER
+    size = BEYOND
     for s in SIZES:
         plan = spread_plan(device_addr, host_addr, s, min(4096, span // (2 * s)))
         kernel(plan)  # a first launch compiles

@@ -16,7 +16,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.backend.base import Backend, Direction
+from kvplane.bench.descriptor_sweep import route_of
 from kvplane.bench.models import model_spec
+from kvplane.bench.peer import cross_layer_cache
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenario import Scenario
 from kvplane.bench.timing import interleave
@@ -83,7 +85,7 @@ def _prefix_of(buf: torch.Tensor) -> Callable[[int], torch.Tensor]:
 
 def run_local_copy(
     backend: Backend, model: str, direction: str, block_tokens: int, quick: bool,
-    layouts: LayoutChoice | None = None, name: str | None = None,
+    layouts: LayoutChoice | None = None, name: str | None = None, cross_layer: bool = False,
 ) -> BenchResult:
     tokens = QUICK_TOKENS if quick else TOKENS
     spec = model_spec(model, block_tokens)
@@ -92,8 +94,12 @@ def run_local_copy(
     blocks = -(-tokens // block_tokens)
     total_blocks = 2 * blocks
     carve = {"device": bufs.device, "host": bufs.host}
-    caches = {side: allocate_cache(spec, layouts, total_blocks, alloc=_prefix_of(buf), zero=False)
-              for side, buf in carve.items()}
+    if cross_layer:  # vLLM's one tensor for all layers on both sides: a block of every layer is one range
+        caches = {side: cross_layer_cache(spec, layouts, total_blocks, _prefix_of(buf), "NHD")[1]
+                  for side, buf in carve.items()}
+    else:
+        caches = {side: allocate_cache(spec, layouts, total_blocks, alloc=_prefix_of(buf), zero=False)
+                  for side, buf in carve.items()}
     src_side, dst_side = ("device", "host") if direction == "d2h" else ("host", "device")
     if direction == "h2d":  # give the host side the distinct pattern, the device side zeros
         bufs.host.copy_(bufs.device.to(bufs.host.device))
@@ -141,6 +147,8 @@ def run_local_copy(
             "blocks": blocks,
             "descriptors": len(plan),
             "torch_device": str(backend.device()),
+            "cache": "cross-layer" if cross_layer else "per-layer",
+            "route": route_of(backend, plan, kind),
         },
     )
 
@@ -166,13 +174,14 @@ def same_blocks(
 
 
 def scenario(model: str, direction: str, block_tokens: int, layouts: LayoutChoice | None = None,
-             variant: str = "") -> Scenario:
+             variant: str = "", cross_layer: bool = False) -> Scenario:
     """A block copy plan of ``model``'s KV in ``block_tokens``-token blocks; ``layouts`` (default: the
-    backend's) and a name ``variant`` let a list add the same row over another layout."""
+    backend's) and a name ``variant`` let a list add the same row over another layout; ``cross_layer`` carves
+    both caches as vLLM's one tensor for all layers."""
     name = f"copy-{model}-{direction}-bs{block_tokens}{variant}"
 
     def run(backend: Backend, quick: bool) -> BenchResult:
-        return run_local_copy(backend, model, direction, block_tokens, quick, layouts, name)
+        return run_local_copy(backend, model, direction, block_tokens, quick, layouts, name, cross_layer)
 
-    params = {"model": model, "direction": direction, "block_tokens": block_tokens}
+    params = {"model": model, "direction": direction, "block_tokens": block_tokens, "cross_layer": cross_layer}
     return Scenario(name, "offload", run, params, release=release)

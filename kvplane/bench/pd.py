@@ -2,6 +2,9 @@
 READs 16-token blocks from it or WRITEs them into it through kvplane (planner + transport), and through the raw
 engine's own batch calls in the same run, one descriptor per block and layer slot (vLLM's per-layer blocks).
 
+``-vram`` rows hold both caches in the backend's device memory, the peer's too (two processes on one device: on a
+GPU, UCX's ``cuda_ipc``), and also time the raw engine moving kvplane's own descriptors (``raw_same_plan_ms``).
+
 Caches are per-layer tensors (vLLM's default) or, for the ``-xl`` rows, vLLM's one cross-layer tensor on both
 sides: then a block of every layer is one range and kvplane moves one descriptor per block, while the raw
 baseline still moves one descriptor per block and layer (what the engine moves for vLLM's per-layer blocks).
@@ -63,7 +66,8 @@ _held: Held[_Pair] = Held(_Pair.close)  # one peer at a time, shared by the READ
 
 
 def _pair(
-    backend: Backend, engine: str, model: str, tokens: int, layouts: LayoutNames | None, cross_layer: bool
+    backend: Backend, engine: str, model: str, tokens: int, layouts: LayoutNames | None, cross_layer: bool,
+    vram: bool = False,
 ) -> _Pair:
     def build() -> _Pair:
         spec = model_spec(model, BLOCK_TOKENS)
@@ -71,15 +75,17 @@ def _pair(
         layout = backend.layouts[family] if layouts is None else layouts if isinstance(layouts, str) else layouts[family]
         num_blocks = 2 * -(-tokens // BLOCK_TOKENS)
         peer = PeerProcess(PeerConfig(
-            (CacheConfig(spec, layout, num_blocks, seed=1, engine_id="prefill", cross_layer=cross_layer),), engine
+            (CacheConfig(spec, layout, num_blocks, seed=1, engine_id="prefill", cross_layer=cross_layer),), engine,
+            device=backend.name, device_memory=vram,
         ))
-        local = KVBuffer(spec, layout, num_blocks, backend.alloc_host, cross_layer=cross_layer)
+        local = KVBuffer(spec, layout, num_blocks, backend.alloc_device if vram else backend.alloc_host,
+                         cross_layer=cross_layer)
         local.fill(2)
         transport = get_transport_class(engine)(backend, TransportConfig(timeout_s=120.0), agent_name="bench-decode")
         transport.register(backend.registration_spans(local.regions))
         return _Pair(peer, local, transport, transport.connect(peer.info))
 
-    return _held.get((backend.label, engine, tokens, model, repr(layouts), cross_layer), build)
+    return _held.get((backend.label, engine, tokens, model, repr(layouts), cross_layer, vram), build)
 
 
 def close_all() -> None:
@@ -88,10 +94,10 @@ def close_all() -> None:
 
 def run_pd(
     backend: Backend, engine: str, model: str, op: Op, quick: bool, pattern: Pattern = "scatter",
-    layouts: LayoutNames | None = None, name: str | None = None, cross_layer: bool = False,
+    layouts: LayoutNames | None = None, name: str | None = None, cross_layer: bool = False, vram: bool = False,
 ) -> BenchResult:
     tokens = QUICK_TOKENS if quick else TOKENS
-    pair = _pair(backend, engine, model, tokens, layouts, cross_layer)
+    pair = _pair(backend, engine, model, tokens, layouts, cross_layer, vram)
     blocks = -(-tokens // BLOCK_TOKENS)
     rng = np.random.default_rng(7 if op == "READ" else 8)
     remote_ids = request_ids(pattern, 2 * blocks, blocks, rng)
@@ -121,7 +127,7 @@ def run_pd(
     extra: dict[str, Callable[[], None]] = {}
     if nixl is not None:
         extra["unprepped"] = _unprepped(ours, nixl)
-    if cross_layer:  # the engine's own ceiling for kvplane's descriptors: what fewer, bigger ones buy by themselves
+    if cross_layer or vram:  # the engine's own ceiling for kvplane's descriptors: what fewer, bigger ones buy
         extra["raw_same_plan"] = lambda: pair.transport.raw_move(pair.handle, op, tp.plan)
     samples, extra_s = _interleave_extra(ours, raw, extra)
     return make_result(
@@ -147,7 +153,8 @@ def run_pd(
             "cache": "cross-layer" if cross_layer else "per-layer",
             "first_request_ms": round(first_s * 1e3, 1),
             **(_prep_params(nixl, extra_s["unprepped"], samples.median) if nixl is not None else {}),
-            **(_ceiling_params(extra_s["raw_same_plan"], samples) if cross_layer else {}),
+            "memory": f"{backend.label} device memory, both processes" if vram else "host memory",
+            **(_ceiling_params(extra_s["raw_same_plan"], samples) if cross_layer or vram else {}),
         },
     )
 
@@ -215,15 +222,17 @@ def _prep_params(nixl: NixlTransport, unprepped: list[float], prepped_s: float) 
 
 def scenario(
     engine: str, model: str, op: Op, pattern: Pattern = "scatter", layouts: LayoutNames | None = None,
-    variant: str = "", cross_layer: bool = False,
+    variant: str = "", cross_layer: bool = False, vram: bool = False,
 ) -> Scenario:
     """kvplane's transport moving one request between processes; ``layouts`` (default: the backend's) and a
     name ``variant`` let a list add the same row over another layout; ``cross_layer`` allocates both caches as
     vLLM's one tensor for all layers (the baseline still moves one descriptor per layer and block)."""
-    name = f"pd-{engine}-{model}-{op.lower()}" + ("" if pattern == "scatter" else f"-{pattern}") + variant
+    name = (f"pd-{engine}-{model}-{op.lower()}" + ("" if pattern == "scatter" else f"-{pattern}") + variant
+            + ("-vram" if vram else ""))
 
     def run(backend: Backend, quick: bool) -> BenchResult:
-        return run_pd(backend, engine, model, op, quick, pattern, layouts, name, cross_layer)
+        return run_pd(backend, engine, model, op, quick, pattern, layouts, name, cross_layer, vram)
 
-    params = {"engine": engine, "model": model, "op": op, "pattern": pattern, "cross_layer": cross_layer}
+    params = {"engine": engine, "model": model, "op": op, "pattern": pattern, "cross_layer": cross_layer,
+              "vram": vram}
     return Scenario(name, "pd", run, params, release=close_all)

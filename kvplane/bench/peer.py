@@ -1,7 +1,7 @@
 """A peer rank in its own process, for the P/D bench and the cross-process tests.
 
 The parent starts ``serve`` with the ``spawn`` context and a pipe. The peer allocates a KV cache in one host
-buffer, fills it with a seeded pattern, registers it with a real transport and answers with its ``PeerInfo``
+buffer (or device buffer of the parent's backend: ``PeerConfig.device_memory``), fills it with a seeded pattern, registers it with a real transport and answers with its ``PeerInfo``
 and manifest. Either cache kind can be allocated: per-layer tensors, or vLLM's cross-layer tensor (``CacheConfig.cross_layer``).
 It then serves a few commands over the pipe (msgpack): ``digest`` of given blocks (so the parent
 can verify bytes without shipping them), ``fill``, ``zero``, ``notifications`` and ``exit``.
@@ -53,6 +53,8 @@ class PeerConfig(msgspec.Struct, frozen=True):
     transport: str
     host: str = "127.0.0.1"
     timeout_s: float = 30.0
+    device: str = "cpu"  # the backend the peer runs (the parent's, for device-to-device rows)
+    device_memory: bool = False  # caches in that backend's device memory, not host memory
 
 
 class KVBuffer:
@@ -99,7 +101,7 @@ class KVBuffer:
         crc, nbytes = 0, 0
         ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
         for st in slot_tensors(self.spec, self.cache, self.layout):
-            blocks = st.tensor.index_select(0, ids).contiguous().view(torch.uint8).numpy()
+            blocks = st.tensor.index_select(0, ids.to(st.tensor.device)).contiguous().view(torch.uint8).cpu().numpy()
             crc, nbytes = zlib.crc32(blocks.data, crc), nbytes + blocks.nbytes
         return f"{crc:08x}/{nbytes}"
 
@@ -135,10 +137,11 @@ def serve(conn: Connection, config_bytes: bytes) -> None:
     from kvplane.transports.registry import get_transport_class
 
     cfg = msgspec.msgpack.decode(config_bytes, type=PeerConfig)
-    backend = get_backend("cpu")
+    backend = get_backend(cfg.device)
+    alloc = backend.alloc_device if cfg.device_memory else backend.alloc_host
     kvs = []
     for c in cfg.caches:
-        kv = KVBuffer(c.spec, c.layout, c.num_blocks, backend.alloc_host, c.order, c.cross_layer)
+        kv = KVBuffer(c.spec, c.layout, c.num_blocks, alloc, c.order, c.cross_layer)
         kv.fill(c.seed)
         kvs.append(kv)
     transport = get_transport_class(cfg.transport)(

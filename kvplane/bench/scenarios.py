@@ -19,7 +19,17 @@ appended to both lists, named with the suffix.
 
 from __future__ import annotations
 
-from kvplane.bench import engine_calls, local_copy, offload, overhead, pd, pd_flow, plan_build, store
+from kvplane.bench import (
+    descriptor_sweep,
+    engine_calls,
+    local_copy,
+    offload,
+    overhead,
+    pd,
+    pd_flow,
+    plan_build,
+    store,
+)
 from kvplane.bench.block_ids import Pattern
 from kvplane.bench.scenario import Scenario
 from kvplane.errors import KvplaneError
@@ -63,6 +73,10 @@ def _sweeps(layouts: dict[str, str] | None, variant: str) -> list[Scenario]:
     for m in MODELS:
         for d in ("d2h", "h2d"):
             rows += [local_copy.scenario(m, d, bt, layouts, variant) for bt in local_copy.BLOCK_TOKENS]
+            if not variant:  # over vLLM's cross-layer tensor: the GPU run's offload rows (docs/gpu.md)
+                rows += [local_copy.scenario(m, d, bt, variant=XL, cross_layer=True) for bt in (16, 64)]
+    if not variant:  # descriptor sizes by every copy route (descriptor_sweep)
+        rows += [descriptor_sweep.scenario(d, kib) for d in ("d2h", "h2d") for kib in descriptor_sweep.SIZES_KIB]
     for e in ENGINES:
         for m in MODELS:
             for pattern in PATTERNS:
@@ -73,6 +87,8 @@ def _sweeps(layouts: dict[str, str] | None, variant: str) -> list[Scenario]:
                     rows += [pd.scenario(e, m, op, xl_ids, variant=XL, cross_layer=True) for op in ("READ", "WRITE")]
                 rows += [pd_flow.scenario(e, m, mode, variant=XL, cross_layer=True) for mode in ("push", "layerwise")]
             rows += [pd_flow.scenario(e, m, mode, "runs", layouts, variant) for mode in pd_flow.MODES]
+        if not variant:  # both caches in device memory, two processes (the GPU run's P/D rows, docs/gpu.md)
+            rows += [pd.scenario(e, MODELS[0], op, vram=True) for op in ("READ", "WRITE")]
     if store.available():
         for m in MODELS:
             rows += [store.scenario(m, op, store.BIG_TOKENS, layouts, variant) for op in ("put", "get")]

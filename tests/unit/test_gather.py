@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from kvplane_ascend.backend import AscendBackend
 
 from kvplane.backend import gather
-from kvplane.conformance.helpers import fill_random, mismatches
 from kvplane.backend.gather import (
     Crossover,
     Crossovers,
@@ -32,6 +31,7 @@ from kvplane.backend.gather import (
     run_starts,
     staged,
 )
+from kvplane.conformance.helpers import fill_random, mismatches
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
 from kvplane.kv.binding import allocate_cache, regions_from_tensors

@@ -1,0 +1,186 @@
+"""The GPU run as one prepared call (docs/gpu.md): ``python -m kvplane.bench.gpu_run --out DIR``.
+
+Each part runs in its own child process under its own time limit, so one hang costs that part alone:
+``info`` (``kvplane info``), ``conformance`` (``kvplane conformance``), ``offload`` (scattered blocks d2h/h2d
+against a pinned contiguous ``copy_``: Qwen3-0.6B and DeepSeek-V3, 16- and 64-token blocks, per-layer and
+cross-layer caches, and the offload engine's rows), ``sweep`` (descriptor sizes 1-256 KiB by every copy route)
+``pd`` (NIXL READ and WRITE of 10k tokens between two processes on one device, against the raw agent, and
+the disaggregation flow's pull and push) and ``engine`` (the offload engine's store and load rows).
+After every part ``report.md`` and ``report.json`` in DIR are rewritten with every part's status and every row's
+figures, so a run cut short keeps what it measured; the run's whole output is in ``run.log`` and the engines'
+in ``bench.log``: four files in all (a device call returns at most eight). ``scripts/gpu/run.sh`` installs
+kvplane and calls this; its CPU twin (``--device cpu --quick``) runs in ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvplane.bench.gpu_report import render_markdown
+
+MODELS = ("qwen3-0.6b", "deepseek-v3")
+DIRECTIONS = ("d2h", "h2d")
+
+
+@dataclass
+class Part:
+    name: str
+    argv: list[str]
+    timeout_s: float
+    status: str = "not run"  # ok, failed (exit N), timed out after N s
+    seconds: float = 0.0
+
+
+def copy_rows(model: str, quick: bool) -> list[str]:
+    if quick:
+        return [f"copy-{model}-{d}-bs16{xl}" for d in DIRECTIONS for xl in ("", "-xl")] if model == MODELS[1] else []
+    return [f"copy-{model}-{d}-bs{bs}{xl}" for d in DIRECTIONS for bs in (16, 64) for xl in ("", "-xl")]
+
+
+def engine_rows(quick: bool) -> list[str]:
+    if quick:
+        return ["offload-deepseek-v3-store", "offload-deepseek-v3-load"]
+    return [f"offload-{m}-{op}{xl}" for m in MODELS for op in ("store", "load") for xl in ("", "-xl")]
+
+
+def sweep_rows(quick: bool) -> list[str]:
+    sizes = (4, 64) if quick else (1, 4, 16, 64, 256)
+    return [f"sweep-{d}-{k}k" for d in DIRECTIONS for k in sizes]
+
+
+def pd_rows(quick: bool) -> list[str]:
+    rows = [f"pd-nixl-qwen3-0.6b-{op}-vram" for op in ("read", "write")]
+    return rows if quick else rows + [f"pd-flow-nixl-qwen3-0.6b-{m}" for m in ("pull", "push")]
+
+
+def parts(out: Path, device: str, quick: bool) -> list[Part]:
+    """The parts in the order they run: the figures the run is for first, each under its own time limit."""
+    kvplane = [sys.executable, "-m", "kvplane.cli.main"]
+
+    def bench(name: str, rows: list[str], timeout_s: float, full: bool = False) -> Part:
+        argv = [*kvplane, "bench", "--device", device, "--json", str(out / f"bench-{name}.json"), "--plot", "",
+                "--log", str(out / f"bench-{name}.log"), *(["--quick"] if quick else []), *(["--full"] if full else [])]
+        for row in rows:
+            argv += ["--scenario", row]
+        return Part(name, argv, timeout_s)
+
+    chosen = [
+        Part("info", [*kvplane, "info"], 45),
+        bench("copy-dsv3", copy_rows(MODELS[1], quick), 75),
+        bench("copy-qwen3", copy_rows(MODELS[0], quick), 75),
+        bench("sweep", sweep_rows(quick), 60),
+        bench("pd", pd_rows(quick), 110, full=not quick),
+        Part("conformance", [*kvplane, "conformance", "--device", device, "--json", str(out / "conformance.json")],
+             90),
+        bench("engine", engine_rows(quick), 75),
+    ]
+    return [p for p in chosen if "bench" not in p.argv or "--scenario" in p.argv]  # quick runs skip some
+
+
+def run_part(part: Part, log: Any) -> str:
+    """Run one part, its output appended to ``log``; its stdout."""
+    log.write(f"\n===== {part.name}: {' '.join(part.argv)}\n")
+    log.flush()
+    start = time.monotonic()
+    try:
+        done = subprocess.run(part.argv, capture_output=True, text=True, timeout=part.timeout_s)
+        output = done.stdout + done.stderr
+        part.status = "ok" if done.returncode == 0 else f"failed (exit {done.returncode})"
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        part.status = f"timed out after {part.timeout_s:.0f} s"
+    part.seconds = round(time.monotonic() - start, 1)
+    log.write(output)
+    log.write(f"\n===== {part.name}: {part.status} in {part.seconds} s\n")
+    log.flush()
+    return output
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    found: dict[str, Any] = {"python": platform.python_version(), "torch": str(torch.__version__),
+                             "torch_cuda": torch.version.cuda, "cpus": os.cpu_count()}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,pcie.link.gen.max,"
+                              "pcie.link.width.max", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        found["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        found["nvidia_smi"] = f"not available ({type(e).__name__})"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        found["torch_device"] = f"{props.name}, {props.total_memory >> 20} MiB, {props.multi_processor_count} SMs"
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvplane.bench.gpu_run", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder for report.md, report.json and the logs")
+    parser.add_argument("--device", default="cuda", help="backend (default cuda; cpu for the twin)")
+    parser.add_argument("--quick", action="store_true", help="fewer rows and tokens (the CPU twin)")
+    parser.add_argument("--only", action="append", metavar="PART", help="run only these parts (repeatable)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvplane-gpu-run-"))  # bench JSON and logs, folded into out/ as they come
+    chosen = [p for p in parts(work, args.device, args.quick) if not args.only or p.name in args.only]
+    outputs: dict[str, str] = {}
+    with open(out / "run.log", "a") as log:
+        for part in chosen:
+            outputs[part.name] = run_part(part, log)
+            print(f"{part.name}: {part.status} in {part.seconds} s", flush=True)
+            engine_log = work / f"bench-{part.name}.log"
+            if engine_log.exists():
+                with open(out / "bench.log", "a") as logs:
+                    logs.write(f"\n===== {part.name}\n{engine_log.read_text(errors='replace')}")
+            write_report(out, work, args, chosen, outputs)  # after every part: a run cut short keeps what it has
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"report: {out / 'report.md'}")
+    return 0 if all(p.status == "ok" for p in chosen) else 1
+
+
+def write_report(
+    out: Path, work: Path, args: argparse.Namespace, chosen: list[Part], outputs: dict[str, str]
+) -> None:
+    report = {
+        "device": args.device, "quick": args.quick, "machine": _machine(out),
+        "parts": [asdict(p) for p in chosen],
+        "info": outputs.get("info", ""),
+        "conformance": _load(work / "conformance.json"),
+        "results": [r for p in chosen for r in (_load(work / f"bench-{p.name}.json") or {}).get("results", [])],
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(render_markdown(report))
+
+
+_machines: dict[Path, dict[str, Any]] = {}
+
+
+def _machine(out: Path) -> dict[str, Any]:
+    if out not in _machines:
+        _machines[out] = machine()
+    return _machines[out]
+
+
+def _load(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
