@@ -86,9 +86,19 @@ def _pd(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _tune(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| part | row | route | GB/s | copy_ GB/s | ratio | bytes equal |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["params"]
+        lines.append(f"| {r['part']} | {r['scenario']} | {p.get('route', p.get('auto_route', '-'))} | "
+                     f"{r['gbps']:.2f} | {r['baseline_gbps']:.2f} | {r['ratio']:.2f} | {_ok(r)} |")
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
-    results = report["results"]
+    tune = [r for r in report["results"] if r.get("part", "").startswith("tune-")]
+    results = [r for r in report["results"] if not r.get("part", "").startswith("tune-")]
     by = {name: [r for r in results if r["scenario"].startswith(prefix)]
           for name, prefix in (("sweep", "sweep-"), ("pd", "pd-"))}
     offload = [r for r in results if r["scenario"].startswith(("copy-", "offload-"))]
@@ -104,5 +114,6 @@ def render_markdown(report: dict[str, Any]) -> str:
         "## Offload: scattered blocks against a pinned contiguous copy_", "", *_offload(offload), "",
         "## Descriptor sizes by copy route (device side spread, host side packed)", "", *_sweep(by["sweep"]), "",
         "## P/D over NIXL: kvplane against the raw agent", "", *_pd(by["pd"]), "",
+        "## Copy kernel variants (KVPLANE_COPY_KERNEL_CHUNK, KVPLANE_COPY_KERNEL_HINT16)", "", *_tune(tune), "",
     ]
     return "\n".join(lines)

@@ -5,7 +5,8 @@ Each part runs in its own child process under its own time limit, so one hang co
 against a pinned contiguous ``copy_``: Qwen3-0.6B and DeepSeek-V3, 16- and 64-token blocks, per-layer and
 cross-layer caches, and the offload engine's rows), ``sweep`` (descriptor sizes 1-256 KiB by every copy route)
 ``pd`` (NIXL READ and WRITE of 10k tokens between two processes on one device, against the raw agent, and
-the disaggregation flow's pull and push) and ``engine`` (the offload engine's store and load rows).
+the disaggregation flow's pull and push, a part per row, with UCX's protocol choices in the log), ``engine``
+(the offload engine's store and load rows) and ``tune-*`` (the copy kernel's variants on the small-block rows).
 After every part ``report.md`` and ``report.json`` in DIR are rewritten with every part's status and every row's
 figures, so a run cut short keeps what it measured; the run's whole output is in ``run.log`` and the engines'
 in ``bench.log``: four files in all (a device call returns at most eight). ``scripts/gpu/run.sh`` installs
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class Part:
     name: str
     argv: list[str]
     timeout_s: float
+    env: dict[str, str] = field(default_factory=dict)  # set for this part's process alone
     status: str = "not run"  # ok, failed (exit N), timed out after N s
     seconds: float = 0.0
 
@@ -58,31 +60,44 @@ def sweep_rows(quick: bool) -> list[str]:
     return [f"sweep-{d}-{k}k" for d in DIRECTIONS for k in sizes]
 
 
-def pd_rows(quick: bool) -> list[str]:
-    rows = [f"pd-nixl-qwen3-0.6b-{op}-vram" for op in ("read", "write")]
-    return rows if quick else rows + [f"pd-flow-nixl-qwen3-0.6b-{m}" for m in ("pull", "push")]
+def pd_rows(quick: bool) -> dict[str, str]:
+    """One part per row (a slow or hung transfer costs its own row alone), by part name."""
+    rows = {f"pd-{op}": f"pd-nixl-qwen3-0.6b-{op}-vram" for op in ("read", "write")}
+    return rows if quick else {**rows, **{f"pd-flow-{m}": f"pd-flow-nixl-qwen3-0.6b-{m}" for m in ("pull", "push")}}
+
+
+# kernel variants beside the default (CHUNK 8 KiB, 16-byte hint on), on the rows where small descriptors rule
+TUNE_ROWS = ["copy-deepseek-v3-d2h-bs16", "copy-deepseek-v3-h2d-bs16", "sweep-d2h-16k", "sweep-h2d-16k"]
+TUNE_VARIANTS = {
+    "tune-chunk2k": {"KVPLANE_COPY_KERNEL_CHUNK": "2048"},
+    "tune-chunk32k": {"KVPLANE_COPY_KERNEL_CHUNK": "32768"},
+    "tune-nohint": {"KVPLANE_COPY_KERNEL_HINT16": "0"},
+}
+UCX_DIAGNOSTICS = {"UCX_PROTO_INFO": "y"}  # UCX prints the protocol and transports each transfer takes
 
 
 def parts(out: Path, device: str, quick: bool) -> list[Part]:
     """The parts in the order they run: the figures the run is for first, each under its own time limit."""
     kvplane = [sys.executable, "-m", "kvplane.cli.main"]
 
-    def bench(name: str, rows: list[str], timeout_s: float, full: bool = False) -> Part:
+    def bench(name: str, rows: list[str], timeout_s: float, full: bool = False,
+              env: dict[str, str] | None = None) -> Part:
         argv = [*kvplane, "bench", "--device", device, "--json", str(out / f"bench-{name}.json"), "--plot", "",
                 "--log", str(out / f"bench-{name}.log"), *(["--quick"] if quick else []), *(["--full"] if full else [])]
         for row in rows:
             argv += ["--scenario", row]
-        return Part(name, argv, timeout_s)
+        return Part(name, argv, timeout_s, env or {})
 
     chosen = [
         Part("info", [*kvplane, "info"], 45),
         bench("copy-dsv3", copy_rows(MODELS[1], quick), 75),
         bench("copy-qwen3", copy_rows(MODELS[0], quick), 75),
         bench("sweep", sweep_rows(quick), 60),
-        bench("pd", pd_rows(quick), 110, full=not quick),
+        *[bench(name, [row], 75, full=not quick, env=UCX_DIAGNOSTICS) for name, row in pd_rows(quick).items()],
         Part("conformance", [*kvplane, "conformance", "--device", device, "--json", str(out / "conformance.json")],
              90),
         bench("engine", engine_rows(quick), 75),
+        *([] if quick else [bench(name, TUNE_ROWS, 45, env=env) for name, env in TUNE_VARIANTS.items()]),
     ]
     return [p for p in chosen if "bench" not in p.argv or "--scenario" in p.argv]  # quick runs skip some
 
@@ -93,7 +108,8 @@ def run_part(part: Part, log: Any) -> str:
     log.flush()
     start = time.monotonic()
     try:
-        done = subprocess.run(part.argv, capture_output=True, text=True, timeout=part.timeout_s)
+        done = subprocess.run(part.argv, capture_output=True, text=True, timeout=part.timeout_s,
+                              env={**os.environ, **part.env})
         output = done.stdout + done.stderr
         part.status = "ok" if done.returncode == 0 else f"failed (exit {done.returncode})"
     except subprocess.TimeoutExpired as e:
@@ -131,12 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for report.md, report.json and the logs")
     parser.add_argument("--device", default="cuda", help="backend (default cuda; cpu for the twin)")
     parser.add_argument("--quick", action="store_true", help="fewer rows and tokens (the CPU twin)")
-    parser.add_argument("--only", action="append", metavar="PART", help="run only these parts (repeatable)")
+    parser.add_argument("--only", action="append", metavar="PREFIX",
+                        help="run only the parts whose names start with PREFIX (repeatable)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvplane-gpu-run-"))  # bench JSON and logs, folded into out/ as they come
-    chosen = [p for p in parts(work, args.device, args.quick) if not args.only or p.name in args.only]
+    chosen = [p for p in parts(work, args.device, args.quick)
+              if not args.only or any(p.name.startswith(prefix) for prefix in args.only)]
     outputs: dict[str, str] = {}
     with open(out / "run.log", "a") as log:
         for part in chosen:
@@ -160,7 +178,8 @@ def write_report(
         "parts": [asdict(p) for p in chosen],
         "info": outputs.get("info", ""),
         "conformance": _load(work / "conformance.json"),
-        "results": [r for p in chosen for r in (_load(work / f"bench-{p.name}.json") or {}).get("results", [])],
+        "results": [{**r, "part": p.name} for p in chosen
+                    for r in (_load(work / f"bench-{p.name}.json") or {}).get("results", [])],
     }
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "report.md").write_text(render_markdown(report))

@@ -129,8 +129,9 @@ def fill_distinct(buffer: torch.Tensor, row_words: int) -> None:
     if row_words <= 0 or words.numel() % row_words:
         raise ValueError(f"fill_distinct: row_words={row_words} must divide the buffer's {words.numel()} words")
     rows = words.numel() // row_words
-    starts = torch.arange(rows, dtype=torch.int64).mul_(row_words * FILL_FACTOR)
-    steps = torch.arange(row_words, dtype=torch.int64).mul_(FILL_FACTOR)
+    # on the buffer's device: torch.add refuses a CPU operand for a GPU out= (seen on the first GPU run)
+    starts = torch.arange(rows, dtype=torch.int64, device=words.device).mul_(row_words * FILL_FACTOR)
+    steps = torch.arange(row_words, dtype=torch.int64, device=words.device).mul_(FILL_FACTOR)
     torch.add(starts[:, None], steps[None, :], out=words.view(rows, row_words))
 
 

@@ -10,6 +10,7 @@ byte tests without a GPU) the table stays in host memory and no stream is involv
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
 
 CHUNK_BYTES = 8 << 10  # bytes one program copies: 1024 int64 words, 8 per thread of 4 warps
 MAX_CHUNKS = 65535  # the grid's second axis
+# tuning knobs for the GPU run's variants (docs/gpu.md), read once per kernel: bytes per program (a power of
+# two), and whether 16-byte-aligned plans tell the compiler so (1) or not (0)
+CHUNK_ENV, HINT_ENV = "KVPLANE_COPY_KERNEL_CHUNK", "KVPLANE_COPY_KERNEL_HINT16"
 
 
 def word_size(plan: CopyPlan) -> int:
@@ -32,9 +36,13 @@ def word_size(plan: CopyPlan) -> int:
     return min(8, bits & -bits) if bits else 8
 
 
-def block_words(word: int, max_words: int) -> int:
-    """Words per program: ``CHUNK_BYTES`` worth, or fewer for small descriptors (a power of two, >= 16)."""
-    return min(CHUNK_BYTES // word, max(16, 1 << max(0, int(max_words - 1).bit_length())))
+def block_words(word: int, max_words: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Words per program: ``chunk_bytes`` worth, or fewer for small descriptors (a power of two, >= 16)."""
+    return min(max(16, chunk_bytes // word), max(16, 1 << max(0, int(max_words - 1).bit_length())))
+
+
+def aligned16(plan: CopyPlan) -> bool:
+    return not int(np.bitwise_or.reduce(np.concatenate([plan.src, plan.dst, plan.length]))) % 16
 
 
 class TritonCopyKernel:
@@ -46,6 +54,11 @@ class TritonCopyKernel:
                  stream_context: Callable[[Any], AbstractContextManager[Any]] | None = None) -> None:
         self.device = device
         self._stream_context = stream_context
+        chunk = int(os.environ.get(CHUNK_ENV) or CHUNK_BYTES)
+        if chunk < 16 or chunk & (chunk - 1):
+            raise BackendError(f"{CHUNK_ENV}={chunk}: bytes per program must be a power of two >= 16, e.g. 8192")
+        self.chunk_bytes = chunk
+        self.hint16 = os.environ.get(HINT_ENV, "1") != "0"
 
     def launch(self, plan: CopyPlan, stream: Any) -> None:
         import torch
@@ -57,7 +70,7 @@ class TritonCopyKernel:
             return
         word = word_size(plan)
         words = plan.length // word
-        block = block_words(word, int(words.max()))
+        block = block_words(word, int(words.max()), self.chunk_bytes)
         chunks = -(-int(words.max()) // block)
         if chunks > MAX_CHUNKS:
             raise BackendError(f"copy kernel: a descriptor of {int(plan.length.max())} B needs {chunks} programs, "
@@ -68,4 +81,11 @@ class TritonCopyKernel:
         with context:
             if on_device:  # pinned, so the copy is async; torch keeps the pinned block until the copy is done
                 table = table.pin_memory().to(self.device, non_blocking=True)
-            copy_descriptors[(n, chunks)](table, n, BLOCK=block, WORD=word, num_warps=4)
+            hint = self.hint16 and word == 8 and aligned16(plan)
+            try:
+                copy_descriptors[(n, chunks)](table, n, BLOCK=block, WORD=word, ALIGNED16=hint, num_warps=4)
+            except Exception:  # a Triton that cannot compile the hint: the plain kernel, from now on
+                if not hint:
+                    raise
+                self.hint16 = False
+                copy_descriptors[(n, chunks)](table, n, BLOCK=block, WORD=word, ALIGNED16=False, num_warps=4)
