@@ -65,6 +65,7 @@ class Backend(ABC):
     registration_merge_gap: ClassVar[int] = 0
     layouts: ClassVar[dict[str, str]]  # family -> the layout this device's engines use
     mooncake_env_defaults: ClassVar[Mapping[str, str]] = {}  # set before Mooncake's initialize, if unset
+    nixl_env_defaults: ClassVar[Mapping[str, str]] = {}  # set while a NIXL agent starts (UCX reads it then), if unset
     # A test double (kvplane.testing's emulated devices, a test suite's fakes): its name says "emulated" too
     emulated: ClassVar[bool] = False
 

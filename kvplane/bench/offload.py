@@ -172,6 +172,8 @@ def load_once(rig: OffloadRig, request_id: str, hashes: list[int], compute_s: fl
         engine.wait_for_layer(name)
         if compute_s:
             time.sleep(compute_s)
+    # wait_for_layer orders the compute stream after the layer's copy; the forward's last layer runs on it
+    engine.backend.current_stream().synchronize()
     _, loaded = engine.get_finished()
     if request_id not in loaded:  # every layer's event is done, so its pins must be released now
         raise RuntimeError(f"bench: load {request_id!r} was not reported finished after its last layer")
@@ -184,6 +186,7 @@ def load_then_compute(rig: OffloadRig, request_id: str, hashes: list[int], compu
     engine.start_load(request_id, hashes, rig.dst_ids)
     for name in rig.spec.layer_names:
         engine.wait_for_layer(name)
+    engine.backend.current_stream().synchronize()  # the load is done (wait_for_layer does not block the host)
     engine.get_finished()
     for _ in rig.spec.layer_names:
         time.sleep(compute_s)

@@ -53,6 +53,8 @@ def test_transport_facts_are_well_formed(kvplane_backend: Backend) -> None:
     assert kvplane_backend.mooncake_location().split(":")[0] in {b.torch_device_type, "cpu"}
     for name, value in b.mooncake_env_defaults.items():
         assert name.isupper() and isinstance(value, str), f"mooncake_env_defaults[{name!r}]={value!r}"
+    for name, value in b.nixl_env_defaults.items():
+        assert name.isupper() and isinstance(value, str), f"nixl_env_defaults[{name!r}]={value!r}"
 
 
 def test_every_layout_the_backend_names_exists_and_stores_its_family(kvplane_backend: Backend) -> None:

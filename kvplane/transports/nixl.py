@@ -122,10 +122,10 @@ class NixlTransport(Transport):
         self._prep.enabled = on
 
     def _start_agent(self) -> Any:
-        added = []
-        if is_loopback(self.config.host):  # UCX reads its environment once, when the backend starts
-            added = [k for k in LOOPBACK_ENV if k not in os.environ]
-            os.environ.update({k: LOOPBACK_ENV[k] for k in added})
+        # UCX reads its environment once, when the backend starts: the device's defaults, and lo for same-host peers
+        defaults = {**self.backend.nixl_env_defaults, **(LOOPBACK_ENV if is_loopback(self.config.host) else {})}
+        added = [k for k in defaults if k not in os.environ]
+        os.environ.update({k: defaults[k] for k in added})
         try:
             backends = list(self.config.nixl_backends)
             agent = self._nixl.nixl_agent(self.agent_name, self._nixl.nixl_agent_config(backends=backends))
