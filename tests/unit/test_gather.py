@@ -252,3 +252,29 @@ def test_the_crossover_variable_at_zero_turns_the_kernel_off(monkeypatch: pytest
         assert off.routes() == ("auto", "dma")
     finally:
         uninstall_emulated("npu")
+
+
+def test_descriptor_tables_reuse_a_pinned_slot_only_after_its_copy_is_done() -> None:
+    from kvplane_cuda.gather import PinnedTables
+
+    events: list[Any] = []
+
+    class Event:
+        def __init__(self) -> None:
+            self.recorded = self.waited = 0
+            events.append(self)
+
+        def record(self) -> None:
+            self.recorded += 1
+
+        def synchronize(self) -> None:
+            self.waited += 1
+
+    tables = PinnedTables(alloc=lambda n: torch.zeros(n, dtype=torch.int64), new_event=Event)
+    rng = np.random.default_rng(0)
+    for round_ in range(PinnedTables.SLOTS + 1):
+        n = 5000 if round_ == PinnedTables.SLOTS else 10
+        columns = tuple(rng.integers(0, 1 << 40, n) for _ in range(3))
+        table = tables.upload(columns, torch.device("cpu"))
+        assert table.shape == (3, n) and np.array_equal(table.numpy(), np.stack(columns))
+    assert [e.waited for e in events] == [1, 0, 0, 0, 0]  # slot 0 again: its earlier copy awaited, once
