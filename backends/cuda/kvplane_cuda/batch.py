@@ -1,7 +1,8 @@
 """``cudaMemcpyBatchAsync``: a whole plan in one runtime call where the CUDA runtime has it (12.8+).
 
-UNTESTED ON A GPU HERE: written against the CUDA 12.8 / 13.0 runtime headers and exercised only through the
-memcpy-backed stand-ins of ``kvplane/_native/async_copy.c`` (same signatures). The batch is called from C with
+Written against the CUDA 12.8 / 13.0 runtime headers; the 13.x ABI ran on an H200 (CUDA 13.0, the conformance
+suite, docs/results/cuda-h200.md), the 12.8-12.9 one only through the memcpy-backed stand-ins of
+``kvplane/_native/async_copy.c`` (same signatures). The batch is called from C with
 the plan's int64 arrays as they are. cuda-python's ``cuMemcpyBatchAsync`` binding was not used: it takes a
 Python list of ``CUdeviceptr`` objects (one Python object per descriptor) and, as a driver call, needs the
 context current on the calling thread; the runtime function in the ``libcudart`` torch has loaded needs neither.
