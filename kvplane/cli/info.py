@@ -141,10 +141,14 @@ def _positive(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report; 2 when ``$KVPLANE_DEVICE`` names no usable backend (the report says which are)."""
+    """Print the report; 2 when ``$KVPLANE_DEVICE`` names no usable backend (the report says which are), or when
+    the ``--config`` given would stop a side from starting (the report says why)."""
     data = collect(args.config, args.tp, args.dp, args.role)
     print(json.dumps(data, indent=2) if args.json else render(data))
     if os.environ.get(ENV_VAR) and data["selected"]["name"] is None:
         print(f"kvplane: error: {data['selected']['error']}", file=sys.stderr)
+        return 2
+    if args.config and data["side_channel"].get("refused"):
+        print(f"kvplane: error: --config would not start: {data['side_channel']['error']}", file=sys.stderr)
         return 2
     return 0

@@ -9,7 +9,10 @@ from kvplane.errors import KvplaneError
 
 
 def _parser() -> argparse.ArgumentParser:
+    from kvplane import __version__
+
     p = argparse.ArgumentParser(prog="kvplane", description="KV-cache transfer layer for LLM inference engines")
+    p.add_argument("--version", action="version", version=f"kvplane {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     from kvplane.cli.info import add_arguments as add_info_arguments
 

@@ -83,10 +83,10 @@ def report(source: str | None, tp_size: int, dp_size: int, env: Mapping[str, str
                     keys = _check_auth(rank, side, env, role_given=given)
                 ports.append({"dp_rank": d, "tp_rank": r, "port": rank.rank_port()})
     except (KvplaneError, ValueError, OSError) as e:
-        out["error"] = str(e)
+        out["error"], out["refused"] = str(e), True  # the connector would not start with it
         return out
     if first is None:
-        out["error"] = f"dp_size={dp_size} and tp_size={tp_size} must be >= 1"
+        out["error"], out["refused"] = f"dp_size={dp_size} and tp_size={tp_size} must be >= 1", True
         return out
     out.update({
         "advertised_host": first.host, "bind_host": first.listen_host, "base_port": first.port,

