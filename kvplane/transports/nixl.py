@@ -56,6 +56,25 @@ RESTART_WAIT_S = 2.0  # how long connect() waits for an agent that is starting a
 logger = logging.getLogger("kvplane.transports")
 
 
+SERDES_AGENT = b"nixlSerDes|Agent"  # NIXL's serialized agent metadata starts with the agent's name
+
+
+def metadata_agent(metadata: bytes) -> str | None:
+    """The agent name NIXL metadata carries (``nixlSerDes|Agent``, a little-endian u64 length, the name), or None
+    when it does not start that way."""
+    head = len(SERDES_AGENT)
+    if not metadata.startswith(SERDES_AGENT) or len(metadata) < head + 8:
+        return None
+    size = int.from_bytes(metadata[head:head + 8], "little")
+    name = metadata[head + 8:head + 8 + size]
+    if size > 4096 or len(name) != size:
+        return None
+    try:
+        return name.decode()
+    except UnicodeDecodeError:
+        return None
+
+
 def _import_nixl() -> tuple[Any, str]:
     quiet_engine_logs()
     failures = []
@@ -178,6 +197,12 @@ class NixlTransport(Transport):
         self._check_engine(peer)
         if not peer.metadata:
             raise PeerUnreachable(f"PeerInfo for {peer.name!r} has no NIXL metadata; send the peer's peer_info()")
+        named = metadata_agent(peer.metadata)
+        if named != peer.name:  # checked before NIXL parses anything: a loaded peer's entry is never touched
+            raise PeerUnreachable(
+                f"NIXL metadata from {peer.name!r} at {peer.host} names agent {named!r}; a peer sends its own "
+                f"metadata (peer_info()), refused"
+            )
         with self.lock:
             if peer.name in self._peer_spans:  # a restarted peer: load its new metadata afresh
                 self._forget(peer.name)
