@@ -22,8 +22,10 @@ descriptors for which the kernel pays its launch: ``measure`` finds both on this
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -71,27 +73,42 @@ class Crossover:
 
 
 class PinnedRanges:
-    """Host allocations the device can address, by start address; a query is one ``searchsorted``."""
+    """Host allocations the device can address, by start address; a query is one ``searchsorted``.
+
+    ``remove`` may run inside a garbage collection (a finalizer) on any thread, even one inside ``add``: it only
+    queues the address, and the next ``add`` or ``covers`` drops it under the lock."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._spans: dict[int, int] = {}
+        self._gone: collections.deque[int] = collections.deque()
         self._arrays = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # (starts, ends), swapped as one
 
     def add(self, addr: int, nbytes: int) -> None:
-        self._spans[addr] = nbytes
-        self._index()
+        with self._lock:
+            self._drop_gone()
+            self._spans[addr] = nbytes
+            self._index()
 
     def remove(self, addr: int) -> None:
-        if self._spans.pop(addr, None) is not None:
+        self._gone.append(addr)
+
+    def _drop_gone(self) -> None:
+        changed = False
+        while self._gone:
+            changed |= self._spans.pop(self._gone.popleft(), None) is not None
+        if changed:
             self._index()
 
     def _index(self) -> None:
-        spans = dict(self._spans)
-        starts = sorted(spans)
-        self._arrays = (np.array(starts, np.int64), np.array([s + spans[s] for s in starts], np.int64))
+        starts = sorted(self._spans)
+        self._arrays = (np.array(starts, np.int64), np.array([s + self._spans[s] for s in starts], np.int64))
 
     def covers(self, addrs: Int64Array, lengths: Int64Array) -> bool:
         """Every ``[addr, addr + length)`` lies inside one recorded allocation."""
+        if self._gone:
+            with self._lock:
+                self._drop_gone()
         starts, ends = self._arrays
         if not len(addrs):
             return True
