@@ -318,3 +318,31 @@ def test_a_name_being_checked_is_asked_again_only_on_its_own_connection(attacker
         assert ask(attacker, cmd="replies", name="own", within=0.5) == {"count": 1, "types": ["reject"]}
     finally:
         prefill.close()
+
+
+def test_a_flood_of_early_word_from_one_peer_never_refuses_another_peers_push(attacker: FramedProcess) -> None:
+    """Issue 28, finding 1: ReadDones for made-up requests (no token: none can be checked before the engine hands
+    a request over) fill one connection's share of early records, not the rank's; a real decode's push still
+    registers and moves its bytes."""
+    prefill, decode = make("prefill", SPEC, seed=6, mode="push"), make("decode", SPEC, mode="push")
+    try:
+        arm(attacker, prefill)
+        boot = prefill.side.local.boot_id
+        for i in range(limits.MAX_EARLY + 500):  # distinct ids, each one early record if nothing capped them
+            ask(attacker, cmd="send", name="evil", message=read_done(f"made-up-{i}", "evil", boot))
+        sync(attacker)
+        assert len(prefill.side._early) == limits.MAX_EARLY_PER_PEER  # the flood's share, no more
+        dst, src = decode.allocate(40), prefill.allocate(40)
+        decode.side.register_push("victim", push_params(prefill.side.base_port, "victim",
+                                                        prefill.side.config.engine_id), dst, 40)
+        end = time.monotonic() + 60
+        while not prefill.side.push_registered("victim"):
+            assert time.monotonic() < end, "the real decode's push registration was refused"
+            time.sleep(0.005)
+        prefill.side.request_finished("victim", src, 40, token=token_for("victim"))
+        assert decode.wait("victim").state == "done"
+        assert digest(SPEC, decode.cache, "packed_kv", {0: dst}, 40) == \
+            digest(SPEC, prefill.cache, "packed_kv", {0: src}, 40)
+    finally:
+        decode.close()
+        prefill.close()

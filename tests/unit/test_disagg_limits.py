@@ -137,3 +137,23 @@ def test_one_peers_flood_spends_only_its_own_reply_budget() -> None:
     assert 10 <= flood < 20
     assert replies.allow(b"honest")  # a full budget of its own
     assert replies.allow(b"third") and replies.allow(b"evil")  # "evil" was forgotten (2 kept): a fresh budget
+
+
+def test_early_records_are_capped_per_connection_and_in_total_with_a_floor_for_every_connection() -> None:
+    from kvplane.flows.disagg.limits import EARLY_FLOOR, MAX_EARLY, MAX_EARLY_PER_PEER, EarlyRecords
+
+    early = EarlyRecords()
+    for p in range(MAX_EARLY // MAX_EARLY_PER_PEER):  # peers at their own cap fill the total
+        for i in range(MAX_EARLY_PER_PEER):
+            assert early.refusal(bytes([p])) == ""
+            early.add(f"{p}-{i}", bytes([p]))
+        assert f"this decode connection's word of {MAX_EARLY_PER_PEER} requests" in early.refusal(bytes([p]))
+    assert len(early) == MAX_EARLY
+    for i in range(EARLY_FLOOR):  # a quiet connection still gets its floor once the total is reached
+        assert early.refusal(b"quiet") == ""
+        early.add(f"q{i}", b"quiet")
+    assert early.refusal(b"quiet") == f"word of {MAX_EARLY + EARLY_FLOOR} requests not handed over yet is kept already"
+    early.discard("0-0")
+    early.discard("0-0")  # twice: counted once
+    assert len(early) == MAX_EARLY + EARLY_FLOOR - 1  # peer 0 is under its own cap now, over the total still
+    assert early.refusal(bytes([0])).startswith(f"word of {MAX_EARLY + EARLY_FLOOR - 1} requests")

@@ -1,5 +1,6 @@
 """Bounds on what a peer's messages can make a side do: replies and log lines per second, records kept for
-requests the engine has not handed over yet.
+requests the engine has not handed over yet (per decode connection, and in total with a floor for every
+connection: ``MAX_EARLY_PER_PEER``, ``MAX_EARLY``, ``EARLY_FLOOR``).
 
 A flood of messages that each earn an answer (thousands of ``ReadDone`` for a previous boot, registrations
 with a wrong token) costs at most ``RateLimit``'s budget in ``Problem`` replies per decode connection
@@ -14,9 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 MAX_EARLY = 4096  # requests a prefill rank keeps word of before the engine hands them over (all peers)
+# ... of which one decode connection may have made at most MAX_EARLY_PER_PEER; and once MAX_EARLY are kept, a
+# connection that made fewer than EARLY_FLOOR still may: a flood from some peers never refuses another's requests
+MAX_EARLY_PER_PEER = 256
+EARLY_FLOOR = 16
 REPLIES_PER_S = 200.0  # problem replies per second per decode connection, warnings per side (burst: as many)
 MAX_PEERS = 1024  # decode connections whose reply budget is kept (the least recently used one goes first)
 MAX_DECLINES = 4096  # declines a decode rank keeps for one prefill rank not connected yet (the oldest go first)
@@ -70,3 +75,35 @@ class PerPeer:
         else:
             self._limits.move_to_end(peer)
         return limit.allow()
+
+
+class EarlyRecords:
+    """Requests a prefill rank keeps word of before the engine hands them over (their machines are ``EARLY``), by
+    the decode connection whose word made each record: ``refusal`` applies the caps per connection and in total."""
+
+    def __init__(self) -> None:
+        self._made_by: dict[str, bytes] = {}
+        self._count: Counter[bytes] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._made_by)
+
+    def add(self, request_id: str, identity: bytes) -> None:
+        self._made_by[request_id] = identity
+        self._count[identity] += 1
+
+    def discard(self, request_id: str) -> None:
+        identity = self._made_by.pop(request_id, None)
+        if identity is not None:
+            self._count[identity] -= 1
+            if not self._count[identity]:
+                del self._count[identity]
+
+    def refusal(self, identity: bytes) -> str:
+        """Why word from ``identity`` may not make another record ("" when it may)."""
+        made = self._count[identity]
+        if made >= MAX_EARLY_PER_PEER:
+            return f"this decode connection's word of {made} requests not handed over yet is kept already"
+        if len(self._made_by) >= MAX_EARLY and made >= EARLY_FLOOR:
+            return f"word of {len(self._made_by)} requests not handed over yet is kept already"
+        return ""

@@ -49,7 +49,7 @@ from kvplane.flows.disagg.held_request import (
     Terms,
     Write,
 )
-from kvplane.flows.disagg.limits import MAX_EARLY, PerPeer, RateLimit
+from kvplane.flows.disagg.limits import EarlyRecords, PerPeer, RateLimit
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
 from kvplane.flows.disagg.messages import (
@@ -102,7 +102,7 @@ class PrefillSide(SideLifecycle):
         self._replies = PerPeer()  # Problem replies no token vouches for, per decode connection
         self._terms = Terms(config.rank, config.lease_s, config.push_timeout_s)
         self._held: dict[str, HeldRequest] = {}  # each request's machine, until it is released or dropped
-        self._early: set[str] = set()  # requests whose machine is EARLY: word the engine has not handed over yet
+        self._early = EarlyRecords()  # requests whose machine is EARLY: word the engine has not handed over yet
         self._released: OrderedDict[str, tuple[str, str]] = OrderedDict()  # request id -> (outcome, token)
         self._layer_events: list[tuple[str, Event]] = []
         self._next_lease_check = 0.0
@@ -192,10 +192,10 @@ class PrefillSide(SideLifecycle):
     def _publish(self) -> None:
         self._out.publish(self._mover.moving)
 
-    def _new(self, request_id: str, deadline: float) -> HeldRequest:
-        """A machine for word about a request the engine has not handed over yet (``EARLY``)."""
+    def _new(self, request_id: str, deadline: float, identity: bytes) -> HeldRequest:
+        """A machine for word from ``identity`` about a request the engine has not handed over yet (``EARLY``)."""
         request = self._held[request_id] = HeldRequest(request_id, self._terms, deadline)
-        self._early.add(request_id)
+        self._early.add(request_id, identity)
         return request
 
     def _run(self, request: HeldRequest, actions: list[Action]) -> None:
@@ -247,8 +247,8 @@ class PrefillSide(SideLifecycle):
     def _on_handed(self, request_id: str, ids: dict[int, Ids], num_tokens: int, token: str, finished: bool
                    ) -> None:
         request = self._held.get(request_id)
-        if request is None:
-            request = self._new(request_id, float("inf"))
+        if request is None:  # the engine's own word: the record leaves EARLY at once, below
+            request = self._new(request_id, float("inf"), b"")
         if finished:
             self._run(request, request.finish(ids, num_tokens, token, time.monotonic()))
         else:
@@ -311,11 +311,11 @@ class PrefillSide(SideLifecycle):
             return
         request = self._held.get(done.request_id)
         if request is None:
-            if done.request_id in self._released or not self._room_for_early():
+            if done.request_id in self._released or not self._room_for_early(identity):
                 return
             # vLLM gives the proxy kv_transfer_params a step before its worker calls request_finished here, so a
             # fast decode may be done reading first: keep its word (checked then) until the request comes
-            request = self._new(done.request_id, time.monotonic() + self.config.lease_s)
+            request = self._new(done.request_id, time.monotonic() + self.config.lease_s, identity)
         self._run(request, request.read_done(identity, (done.engine_id, done.rank), done.ok, done.tp_size,
                                              done.token))
 
@@ -330,29 +330,30 @@ class PrefillSide(SideLifecycle):
         else:
             problem = check_destination(peer, reg)
         request = self._held.get(rid)
-        if not problem and request is None and not self._room_for_early():
+        if not problem and request is None and not self._room_for_early(identity):
             problem = "too many requests registered that this prefill rank was not handed yet; retry later"
         if problem:
             self._problem(identity, rid, problem, vouched)
             return
         if request is None:  # waiting for the request itself
-            request = self._new(rid, time.monotonic() + self.config.push_timeout_s)
+            request = self._new(rid, time.monotonic() + self.config.push_timeout_s, identity)
         layers = layers_by_source(peer.manifest, self.config.tp_size, rid).get(self.config.rank, [])
         self._run(request, request.register(identity, peer, reg, layers))
 
     def _on_cancel(self, identity: bytes, cancel: Cancel) -> None:
         request = self._held.get(cancel.request_id)
         if request is None:  # a decode rank gave the push up before registering: judged once the request comes
-            if cancel.request_id in self._released or not self._room_for_early():
+            if cancel.request_id in self._released or not self._room_for_early(identity):
                 return
-            request = self._new(cancel.request_id, time.monotonic() + self.config.push_timeout_s)
+            request = self._new(cancel.request_id, time.monotonic() + self.config.push_timeout_s, identity)
         self._run(request, request.cancel(identity, (cancel.engine_id, cancel.rank), cancel.token))
 
-    def _room_for_early(self) -> bool:
-        if len(self._early) < MAX_EARLY:
-            return True
-        self._drop(f"word of {MAX_EARLY} requests not handed over yet is kept already")
-        return False
+    def _room_for_early(self, identity: bytes) -> bool:
+        """Whether word from ``identity`` may make another EARLY record (``limits.EarlyRecords``)."""
+        why = self._early.refusal(identity)
+        if why:
+            self._drop(why)
+        return not why
 
     def _drop(self, why: str) -> None:
         self.counters.rejected += 1
