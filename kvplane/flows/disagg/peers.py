@@ -85,6 +85,11 @@ def record(hello: Handshake, manifest: Manifest, info: PeerInfo, handle: str, id
 Done = Callable[[str, str], None]  # (handle, error): exactly one of them is non-empty
 
 
+def where(info: PeerInfo) -> str:
+    """The peer a connect was for, as failure reasons name it: its engine identity and address."""
+    return f"{info.engine} peer {info.name!r} at {info.host}" + (f":{info.port}" if info.port else "")
+
+
 class Prober:
     """Connects the transport to peers on short-lived threads; ``done`` runs on the loop (via ``deliver``),
     exactly once per ``connect``: with the handle, or with the error, or with a timeout from ``expire``.
@@ -94,7 +99,7 @@ class Prober:
     def __init__(self, transport: Transport, deliver: Callable[[Callable[[], None]], object], timeout_s: float
                  ) -> None:
         self._transport, self._deliver, self.timeout_s = transport, deliver, timeout_s
-        self._pending: dict[int, tuple[float, Done]] = {}  # loop thread only
+        self._pending: dict[int, tuple[float, Done, str]] = {}  # loop thread only; the peer's address last
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._alive = 0
@@ -106,23 +111,23 @@ class Prober:
                 return False
             self._alive += 1
         probe = next(self._ids)
-        self._pending[probe] = (time.monotonic() + self.timeout_s, done)
+        self._pending[probe] = (time.monotonic() + self.timeout_s, done, where(info))
         threading.Thread(target=self._run, args=(probe, info), name="kvplane-probe", daemon=True).start()
         return True
 
     def expire(self, now: float) -> None:
         """On the loop: fail connects past their deadline (their threads end when the engine returns)."""
-        for probe, (deadline, done) in list(self._pending.items()):
+        for probe, (deadline, done, peer) in list(self._pending.items()):
             if now > deadline:
                 del self._pending[probe]
-                done("", f"the transport did not reach the peer within probe_timeout_s={self.timeout_s}")
+                done("", f"the transport did not reach {peer} within probe_timeout_s={self.timeout_s}")
 
     def _run(self, probe: int, info: PeerInfo) -> None:
         handle, error = "", ""
         try:
             handle = self._transport.connect(info)
         except Exception as e:  # PeerUnreachable, TransportError, or an engine binding's own error
-            error = f"{type(e).__name__}: {e}"
+            error = f"reaching {where(info)}: {type(e).__name__}: {e}"
         finally:
             with self._lock:
                 self._alive -= 1
