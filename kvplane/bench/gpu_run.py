@@ -60,10 +60,13 @@ def sweep_rows(quick: bool) -> list[str]:
     return [f"sweep-{d}-{k}k" for d in DIRECTIONS for k in sizes]
 
 
-def pd_rows(quick: bool) -> dict[str, str]:
-    """One part per row (a slow or hung transfer costs its own row alone), by part name."""
-    rows = {f"pd-{op}": f"pd-nixl-qwen3-0.6b-{op}-vram" for op in ("read", "write")}
-    return rows if quick else {**rows, **{f"pd-flow-{m}": f"pd-flow-nixl-qwen3-0.6b-{m}" for m in ("pull", "push")}}
+def pd_rows(quick: bool) -> dict[str, list[str]]:
+    """Rows by part: on a GPU one part per row (a slow or hung transfer costs its own row alone); the quick run
+    (the CPU twin) puts both in one part, one peer process fewer."""
+    rows = {f"pd-{op}": [f"pd-nixl-qwen3-0.6b-{op}-vram"] for op in ("read", "write")}
+    if quick:
+        return {"pd": [row for part in rows.values() for row in part]}
+    return {**rows, **{f"pd-flow-{m}": [f"pd-flow-nixl-qwen3-0.6b-{m}"] for m in ("pull", "push")}}
 
 
 # kernel variants beside the default (CHUNK 8 KiB, 16-byte hint on), on the rows where small descriptors rule
@@ -93,9 +96,9 @@ def parts(out: Path, device: str, quick: bool) -> list[Part]:
         bench("copy-dsv3", copy_rows(MODELS[1], quick), 75),
         bench("copy-qwen3", copy_rows(MODELS[0], quick), 75),
         bench("sweep", sweep_rows(quick), 60),
-        *[bench(name, [row], 75, full=not quick, env=UCX_DIAGNOSTICS) for name, row in pd_rows(quick).items()],
-        Part("conformance", [*kvplane, "conformance", "--device", device, "--json", str(out / "conformance.json")],
-             90),
+        *[bench(name, rows, 75, full=not quick, env=UCX_DIAGNOSTICS) for name, rows in pd_rows(quick).items()],
+        Part("conformance", [*kvplane, "conformance", "--device", device, "--json", str(out / "conformance.json"),
+                             *(["--bandwidth-mib", "8"] if quick else [])], 90),
         bench("engine", engine_rows(quick), 75),
         *([] if quick else [bench(name, TUNE_ROWS, 45, env=env) for name, env in TUNE_VARIANTS.items()]),
     ]

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["info", "copy-dsv3", "sweep", "pd-read", "pd-write", "conformance", "engine"]
+PARTS = ["info", "copy-dsv3", "sweep", "pd", "conformance", "engine"]
 SECTIONS = ["## Parts", "## Conformance", "## Offload", "## Descriptor sizes by copy route", "## P/D over NIXL",
             "## Copy kernel variants"]
 
