@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
 from kvplane.flows.disagg import messages
 from kvplane.flows.disagg.errors import DisaggConfigError, ProtocolError
+
+# frames one readable event handles before the loop turns (timers, other sockets): a flood waits in libzmq, and
+# the loop never stalls behind it (489 heartbeats of 4096 ids once held it 1-15 s, issue 28)
+RECEIVE_BUDGET = 32
 
 logger = logging.getLogger("kvplane.disagg")
 HWM = 100_000  # queued messages per peer before ZMQ drops: far above 200 requests' worth
@@ -91,15 +95,17 @@ class Counters:
         self.undeliverable = 0
 
 
-def receive(sock: zmq.Socket[bytes], max_bytes: int, counters: Counters, routed: bool
-            ) -> list[tuple[bytes, messages.Message]]:
-    """Every message waiting on ``sock`` as ``(identity, message)`` (identity ``b""`` on a DEALER)."""
-    out: list[tuple[bytes, messages.Message]] = []
-    while True:
+def receive(sock: zmq.Socket[bytes], max_bytes: int, counters: Counters, routed: bool,
+            budget: int = RECEIVE_BUDGET) -> Iterator[tuple[bytes, messages.Message]]:
+    """The messages waiting on ``sock`` as ``(identity, message)`` (identity ``b""`` on a DEALER), each read and
+    decoded only once the caller has handled the one before: at most one decoded message is held at a time. At
+    most ``budget`` frames a call: the rest stay queued in libzmq, the socket stays readable, and the loop's
+    other work runs first (libzmq's ROUTER fair-queues its peers, so each connection gets its turn)."""
+    for _ in range(budget):
         try:
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
         except zmq.Again:
-            return out
+            return
         identity = frames[0] if routed and len(frames) > 1 else b""
         payload = frames[-1]
         if (routed and len(frames) != 2) or (not routed and len(frames) != 1):
@@ -108,11 +114,12 @@ def receive(sock: zmq.Socket[bytes], max_bytes: int, counters: Counters, routed:
                            2 if routed else 1)
             continue
         try:
-            out.append((identity, messages.decode(payload, max_bytes)))
+            message = messages.decode(payload, max_bytes)
         except ProtocolError as e:
             counters.rejected += 1
             logger.warning("side channel: %s", e)
-    return out
+            continue
+        yield identity, message
 
 
 def send(sock: zmq.Socket[bytes], message: messages.Message, counters: Counters, identity: bytes = b"") -> bool:
