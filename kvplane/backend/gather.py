@@ -187,13 +187,18 @@ def crossover_from_env(value: str | None) -> Crossover | None:
     return Crossover(size, 1, "env")
 
 
-def _best(run: Callable[[], None], reps: int = 3) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
+def best_seconds(run: Callable[[CopyPlan], None], reps: int = 3) -> Callable[[CopyPlan], float]:
+    """``run`` timed: the fastest of ``reps`` wall-clock runs of a plan (``run`` returns once its copy is done)."""
+
+    def seconds(plan: CopyPlan) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            run(plan)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return seconds
 
 
 def spread_plan(src: int, dst: int, size: int, count: int) -> CopyPlan:
@@ -203,23 +208,23 @@ def spread_plan(src: int, dst: int, size: int, count: int) -> CopyPlan:
 
 
 def measure(
-    dma: Callable[[CopyPlan], None], kernel: Callable[[CopyPlan], None], device_addr: int, host_addr: int,
+    dma_s: Callable[[CopyPlan], float], kernel_s: Callable[[CopyPlan], float], device_addr: int, host_addr: int,
     span: int = SPAN,
 ) -> Crossover:
-    """Time d2h plans of spread descriptors by DMA and by the kernel (each call returns once its copy is done):
-    ``size`` is the smallest of ``SIZES`` where DMA is not slower, ``count`` the fewest descriptors of
-    ``PROBE_SIZE`` bytes for which the kernel is faster."""
+    """The crossover from the seconds d2h plans of spread descriptors take by DMA and by the kernel
+    (``best_seconds`` on a device): ``size`` is the smallest of ``SIZES`` where DMA is not slower, ``count`` the
+    fewest descriptors of ``PROBE_SIZE`` bytes for which the kernel is faster."""
     size = BEYOND
     for s in SIZES:
         plan = spread_plan(device_addr, host_addr, s, min(4096, span // (2 * s)))
-        kernel(plan)  # a first launch compiles
-        if _best(lambda: dma(plan)) <= _best(lambda: kernel(plan)):  # noqa: B023
+        kernel_s(plan)  # a first launch compiles
+        if dma_s(plan) <= kernel_s(plan):
             size = s
             break
     count = COUNTS[-1] + 1
     for n in COUNTS:
         plan = spread_plan(device_addr, host_addr, PROBE_SIZE, n)
-        if _best(lambda: kernel(plan), 5) < _best(lambda: dma(plan), 5):  # noqa: B023
+        if kernel_s(plan) < dma_s(plan):
             count = n
             break
     return Crossover(size, count, "measured")

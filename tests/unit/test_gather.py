@@ -139,22 +139,24 @@ def test_the_crossover_variable_is_parsed_once_and_names_its_fix() -> None:
 
 
 def test_measure_finds_where_dma_catches_up_and_the_fewest_descriptors() -> None:
-    def dma(plan: CopyPlan) -> None:  # slow per small descriptor, a fixed cost per launch for the kernel
-        busy(len(plan) * 2e-6 if int(plan.length[0]) < 32 << 10 else 0.0)
+    """Modelled seconds, no clock: DMA pays per small descriptor, the kernel a launch plus a little per one."""
 
-    def kernel(plan: CopyPlan) -> None:
-        busy(3e-5 + len(plan) * 1e-7)
+    def dma_s(plan: CopyPlan) -> float:
+        return len(plan) * 2e-6 if int(plan.length[0]) < 32 << 10 else 0.0
 
-    found = measure(dma, kernel, 0x1000, 0x2000, span=1 << 20)
+    def kernel_s(plan: CopyPlan) -> float:
+        return 3e-5 + len(plan) * 1e-7
+
+    found = measure(dma_s, kernel_s, 0x1000, 0x2000, span=1 << 20)
     assert found.size == 32 << 10 and found.count == 16 and found.source == "measured"
 
 
-def busy(seconds: float) -> None:
-    import time
+def test_best_seconds_is_the_fastest_of_its_runs() -> None:
+    from kvplane.backend.gather import best_seconds
 
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    runs: list[int] = []
+    seconds = best_seconds(lambda plan: runs.append(len(plan)), reps=4)(_plan(0, 0, [0, 1], [2, 3], 8))
+    assert runs == [2, 2, 2, 2] and 0.0 <= seconds < float("inf")
 
 
 def test_crossovers_are_measured_once_and_kept_in_the_cache_file(tmp_path: Path) -> None:
