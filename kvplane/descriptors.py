@@ -204,15 +204,22 @@ class CopyPlan:
         if not len(self):
             return
         addrs = getattr(self, side)
-        ends = addrs + self.length
         starts_sorted = np.array(sorted(s for s, _ in spans), dtype=np.int64)
         span_end = dict(spans)
         ends_sorted = np.array([span_end[int(s)] for s in starts_sorted], dtype=np.int64)
-        idx = np.searchsorted(starts_sorted, addrs, side="right") - 1
-        ok = (idx >= 0) & (ends <= ends_sorted[np.clip(idx, 0, None)])
+        ok = inside(addrs, self.length, starts_sorted, ends_sorted)
         if not bool(ok.all()):
             bad = int(np.flatnonzero(~ok)[0])
             raise PlanError(
                 f"descriptor {bad}: {side} range [{int(addrs[bad]):#x}, +{int(self.length[bad])}) lies outside "
                 f"every registered region; build plans from the regions of the tensors being moved"
             )
+
+
+def inside(addrs: Int64Array, lengths: Int64Array, starts: Int64Array, ends: Int64Array) -> npt.NDArray[np.bool_]:
+    """Per range ``[addr, addr + length)``: whether it lies inside one span ``[starts[i], ends[i])`` (spans sorted by
+    start, disjoint); one ``searchsorted``."""
+    if not len(starts):
+        return np.zeros(len(addrs), bool)
+    idx = np.searchsorted(starts, addrs, side="right") - 1
+    return (idx >= 0) & (addrs + lengths <= ends[np.clip(idx, 0, None)])

@@ -21,6 +21,7 @@ Emulated devices are test doubles (``kvplane.testing``): subclasses that overrid
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -77,8 +78,6 @@ class AcceleratorBackend(Backend):
     def __init__(self, device_index: int = 0) -> None:
         super().__init__(device_index)
         self._copy_fn: CopyFunction | None = None
-        self._kernel: KernelPath | None = None  # resolved once (_kernel_checked)
-        self._kernel_checked = False
         self._lock = threading.Lock()
         self.pinned = PinnedRanges()  # host memory alloc_host pinned, which a copy kernel may address
         self.copy_notes: list[str] = []  # what reports should say about the copy path (fallbacks taken)
@@ -209,8 +208,8 @@ class AcceleratorBackend(Backend):
         if route != "auto" and route not in self.routes():
             raise BackendError(f"{self.label}: route={route!r} is not one of this backend's {self.routes()}")
         with self._device_errors("enqueueing a copy plan"), self.device_module().device(self.device_index):
-            path = self.kernel_path()
-            chosen: RouteName = path.route(plan, direction or "") if route == "auto" and path is not None else route
+            path = self.kernel_path
+            chosen = self.route_for(plan, direction) if route == "auto" else route
             if (chosen == "staged" or chosen == "direct") and path is not None:
                 path.run(chosen, plan, direction or "", target, lambda p: self._dma(p, kind, target),
                          lambda n: self._staging(n, target))
@@ -219,17 +218,17 @@ class AcceleratorBackend(Backend):
         if stream is None:
             target.synchronize()
 
-    def route_for(self, plan: CopyPlan, direction: Direction) -> RouteName:
-        """The route ``execute`` takes for ``plan`` (for reports)."""
-        path = self.kernel_path()
-        return path.route(plan, direction) if path is not None else "dma"
+    def route_for(self, plan: CopyPlan, direction: Direction | None) -> RouteName:
+        """The route ``execute`` takes for ``plan``."""
+        path = self.kernel_path
+        return path.route(plan, direction or "") if path is not None else "dma"
 
     def routes(self) -> tuple[RouteName, ...]:
         """The routes ``execute_route`` takes here."""
         names: list[RouteName] = ["auto", "dma"]
         if self._copy_function().fallback is not None:
             names.append("loop")
-        if self.kernel_path() is not None:
+        if self.kernel_path is not None:
             names += ["staged", "direct"]
         return tuple(names)
 
@@ -257,19 +256,18 @@ class AcceleratorBackend(Backend):
         only). A backend package returns its own (the cuda backend's is Triton); see docs/backends.md."""
         return None
 
+    @functools.cached_property
     def kernel_path(self) -> KernelPath | None:
         """The copy kernel with its crossover, resolved once; None without a kernel or with the kernel off."""
-        if not self._kernel_checked:
-            kernel = self.copy_kernel()
-            fixed = crossover_from_env(os.environ.get(GATHER_ENV))
-            if kernel is not None and (fixed is None or fixed.size > 0):
-                self._kernel = KernelPath(kernel, lambda: fixed or self.crossover(), self.pinned)
-            self._kernel_checked = True
-        return self._kernel
+        kernel = self.copy_kernel()
+        fixed = crossover_from_env(os.environ.get(GATHER_ENV))
+        if kernel is None or (fixed is not None and fixed.size == 0):
+            return None
+        return KernelPath(kernel, lambda: fixed or self.crossover(), self.pinned)
 
     def crossover(self) -> Crossover:
         """The measured crossover of DMA and the copy kernel on this device (cached per device name)."""
-        path = self.kernel_path()
+        path = self.kernel_path
         if path is None:
             return Crossover(0, 1, "no copy kernel")
         with self._lock:  # one measurement per process, whichever thread asks first

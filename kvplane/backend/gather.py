@@ -34,7 +34,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from kvplane.descriptors import CopyPlan, Int64Array
+from kvplane.descriptors import CopyPlan, Int64Array, inside
 from kvplane.errors import BackendError
 
 Route = Literal["dma", "staged", "direct"]
@@ -109,23 +109,13 @@ class PinnedRanges:
         if self._gone:
             with self._lock:
                 self._drop_gone()
-        starts, ends = self._arrays
-        if not len(addrs):
-            return True
-        if not len(starts):
-            return False
-        where = np.searchsorted(starts, addrs, side="right") - 1
-        if int(where.min()) < 0:
-            return False
-        return bool(np.all(addrs + lengths <= ends[where]))
+        return bool(inside(addrs, lengths, *self._arrays).all())
 
 
-def run_starts(addrs: Int64Array, lengths: Int64Array) -> Int64Array:
-    """Indices where a run of byte-contiguous descriptors begins (``addrs[i] == addrs[i-1] + lengths[i-1]``
-    continues one)."""
-    breaks = np.ones(len(addrs), bool)
-    breaks[1:] = addrs[1:] != addrs[:-1] + lengths[:-1]
-    return np.flatnonzero(breaks).astype(np.int64)
+def host_runs(plan: CopyPlan, direction: str) -> int:
+    """How many runs of byte-contiguous descriptors the host side has: the DMAs a staged plan leaves in."""
+    host = host_side(plan, direction)
+    return int(np.count_nonzero(host[1:] != host[:-1] + plan.length[:-1])) + 1 if len(plan) else 0
 
 
 def host_side(plan: CopyPlan, direction: str) -> Int64Array:
@@ -135,13 +125,10 @@ def host_side(plan: CopyPlan, direction: str) -> Int64Array:
 def staged(plan: CopyPlan, direction: str, base: int) -> tuple[CopyPlan, CopyPlan]:
     """``(kernel, bulk)`` for a plan through a staging buffer at ``base`` holding its bytes in plan order: d2h
     runs the kernel (device -> staging) then bulk (staging -> host runs); h2d runs bulk then the kernel."""
-    offsets = base + np.cumsum(plan.length) - plan.length
-    host = host_side(plan, direction)
-    starts = run_starts(host, plan.length)
-    run_bytes = np.add.reduceat(plan.length, starts) if len(starts) else plan.length[:0]
+    offsets = base + np.cumsum(plan.length) - plan.length  # staging is contiguous: runs follow the host side
     if direction == "d2h":
-        return CopyPlan(plan.src, offsets, plan.length), CopyPlan(offsets[starts], host[starts], run_bytes)
-    return CopyPlan(offsets, plan.dst, plan.length), CopyPlan(host[starts], offsets[starts], run_bytes)
+        return CopyPlan(plan.src, offsets, plan.length), CopyPlan(offsets, plan.dst, plan.length).coalesced()
+    return CopyPlan(offsets, plan.dst, plan.length), CopyPlan(plan.src, offsets, plan.length).coalesced()
 
 
 def choose(plan: CopyPlan, direction: str, crossover: Crossover, pinned: PinnedRanges) -> Route:
@@ -152,11 +139,10 @@ def choose(plan: CopyPlan, direction: str, crossover: Crossover, pinned: PinnedR
         return "direct" if direction == "d2d" and crossover.wants_kernel(plan) else "dma"
     if not crossover.wants_kernel(plan):
         return "dma"
-    host = host_side(plan, direction)
-    runs = len(run_starts(host, plan.length))
+    runs = host_runs(plan, direction)
     if runs * crossover.size <= plan.total_bytes:
         return "staged"
-    if pinned.covers(host, plan.length):
+    if pinned.covers(host_side(plan, direction), plan.length):
         return "direct"
     return "staged" if runs < len(plan) else "dma"
 

@@ -114,7 +114,7 @@ def route_of(backend: Backend, plan: CopyPlan, direction: Direction) -> str:
 
 
 def _crossover(backend: Backend) -> dict[str, object]:
-    if not isinstance(backend, AcceleratorBackend) or backend.kernel_path() is None:
+    if not isinstance(backend, AcceleratorBackend) or backend.kernel_path is None:
         return {}
     found = backend.crossover()
     return {"size": found.size, "count": found.count, "source": found.source}

@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [p for p in parts(work, args.device, args.quick)
               if not args.only or any(p.name.startswith(prefix) for prefix in args.only)]
     outputs: dict[str, str] = {}
+    found = machine()
     with open(out / "run.log", "a") as log:
         for part in chosen:
             outputs[part.name] = run_part(part, log)
@@ -168,17 +169,16 @@ def main(argv: list[str] | None = None) -> int:
             if engine_log.exists():
                 with open(out / "bench.log", "a") as logs:
                     logs.write(f"\n===== {part.name}\n{engine_log.read_text(errors='replace')}")
-            write_report(out, work, args, chosen, outputs)  # after every part: a run cut short keeps what it has
+            write_report(out, work, args, found, chosen, outputs)  # after every part: a cut run keeps what it has
     shutil.rmtree(work, ignore_errors=True)
     print(f"report: {out / 'report.md'}")
     return 0 if all(p.status == "ok" for p in chosen) else 1
 
 
-def write_report(
-    out: Path, work: Path, args: argparse.Namespace, chosen: list[Part], outputs: dict[str, str]
-) -> None:
+def write_report(out: Path, work: Path, args: argparse.Namespace, found: dict[str, Any], chosen: list[Part],
+                 outputs: dict[str, str]) -> None:
     report = {
-        "device": args.device, "quick": args.quick, "machine": _machine(out),
+        "device": args.device, "quick": args.quick, "machine": found,
         "parts": [asdict(p) for p in chosen],
         "info": outputs.get("info", ""),
         "conformance": _load(work / "conformance.json"),
@@ -187,15 +187,6 @@ def write_report(
     }
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "report.md").write_text(render_markdown(report))
-
-
-_machines: dict[Path, dict[str, Any]] = {}
-
-
-def _machine(out: Path) -> dict[str, Any]:
-    if out not in _machines:
-        _machines[out] = machine()
-    return _machines[out]
 
 
 def _load(path: Path) -> Any:

@@ -1,8 +1,8 @@
 """A peer rank in its own process, for the P/D bench and the cross-process tests.
 
 The parent starts ``serve`` with the ``spawn`` context and a pipe. The peer allocates a KV cache in one host
-buffer (or device buffer of the parent's backend: ``PeerConfig.device_memory``), fills it with a seeded pattern, registers it with a real transport and answers with its ``PeerInfo``
-and manifest. Either cache kind can be allocated: per-layer tensors, or vLLM's cross-layer tensor (``CacheConfig.cross_layer``).
+buffer (or a device buffer of the parent's backend: ``PeerConfig.device_memory``), fills it with a seeded
+pattern, registers it with a real transport and answers with its ``PeerInfo`` and manifest. Either cache kind can be allocated: per-layer tensors, or vLLM's cross-layer tensor (``CacheConfig.cross_layer``).
 It then serves a few commands over the pipe (msgpack): ``digest`` of given blocks (so the parent
 can verify bytes without shipping them), ``fill``, ``zero``, ``notifications`` and ``exit``.
 """

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if os.environ.get(ENV_VAR) and data["selected"]["name"] is None:
         print(f"kvplane: error: {data['selected']['error']}", file=sys.stderr)
         return 2
-    if args.config and data["side_channel"].get("refused"):
+    if args.config and "error" in data["side_channel"]:
         print(f"kvplane: error: --config would not start: {data['side_channel']['error']}", file=sys.stderr)
         return 2
     return 0

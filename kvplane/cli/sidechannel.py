@@ -67,7 +67,7 @@ def report(source: str | None, tp_size: int, dp_size: int, env: Mapping[str, str
             role = KV_ROLES.get(kv_role or "kv_both", "both")
         out["role"] = role
         if "disagg" not in extra:
-            out["error"] = "the config has no 'disagg' section: this instance opens no side channel"
+            out["note"] = "the config has no 'disagg' section: this instance opens no side channel"
             return out
         out["disagg"] = redact(extra["disagg"])  # as written, secret keys hidden
         ports = []
@@ -83,10 +83,10 @@ def report(source: str | None, tp_size: int, dp_size: int, env: Mapping[str, str
                     keys = _check_auth(rank, side, env, role_given=given)
                 ports.append({"dp_rank": d, "tp_rank": r, "port": rank.rank_port()})
     except (KvplaneError, ValueError, OSError) as e:
-        out["error"], out["refused"] = str(e), True  # the connector would not start with it
+        out["error"] = str(e)  # the connector would not start with it
         return out
     if first is None:
-        out["error"], out["refused"] = f"dp_size={dp_size} and tp_size={tp_size} must be >= 1", True
+        out["error"] = f"dp_size={dp_size} and tp_size={tp_size} must be >= 1"
         return out
     out.update({
         "advertised_host": first.host, "bind_host": first.listen_host, "base_port": first.port,
@@ -114,8 +114,8 @@ def render(side: dict[str, Any]) -> list[str]:
     lines = [f"side channel ({side['config']}, dp={side['dp_size']} x tp={side['tp_size']}):"]
     if side.get("overrides"):
         lines.append("  environment overrides: " + ", ".join(f"{k}={v}" for k, v in side["overrides"].items()))
-    if "error" in side:
-        return [*lines, f"  error: {side['error']}"]
+    if "error" in side or "note" in side:
+        return [*lines, f"  error: {side['error']}" if "error" in side else f"  {side['note']}"]
     lines.append(f"  advertised {side['advertised_host']}, bind {side['bind_host']}, base port {side['base_port']}, "
                  f"auth {'CURVE' if side['authenticated'] else 'off'}")
     lines.append("  ports: " + ", ".join(f"dp{p['dp_rank']}/tp{p['tp_rank']}={p['port']}" for p in side["ports"]))

@@ -26,9 +26,9 @@ from kvplane.backend.gather import (
     PinnedRanges,
     choose,
     crossover_from_env,
+    host_runs,
     measure,
     pieces,
-    run_starts,
     staged,
 )
 from kvplane.conformance.helpers import fill_random, mismatches
@@ -82,8 +82,7 @@ def test_a_staged_plan_leaves_the_same_bytes_as_the_plan(data: st.DataObject, di
     for part in (kernel, bulk) if direction == "d2h" else (bulk, kernel):
         run_plan(part)
     assert np.array_equal(got, want)
-    host = plan.dst if direction == "d2h" else plan.src
-    assert len(bulk) == len(run_starts(host, plan.length)) and bulk.total_bytes == plan.total_bytes
+    assert len(bulk) == host_runs(plan, direction) and bulk.total_bytes == plan.total_bytes
 
 
 def test_contiguous_host_blocks_leave_in_one_descriptor() -> None:

@@ -1,10 +1,11 @@
 """The cuda backend's copy kernel: every descriptor of a plan copied by one Triton launch.
 
 Program ``(i, c)`` copies chunk ``c`` of descriptor ``i``: ``BLOCK`` words of ``WORD`` bytes from
-``table[0, i]`` to ``table[1, i]``, of ``table[2, i]`` words in all. ``ALIGNED16`` tells the compiler every address is a multiple of 16 bytes. Addresses are raw and may be device memory or
-pinned host memory (unified addressing makes both reachable from a kernel). This module imports Triton, so it
-is imported only when a copy kernel is wanted; under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors,
-which is how its bytes are tested on machines without a GPU.
+``table[0, i]`` to ``table[1, i]``, of ``table[2, i]`` words in all; ``ALIGNED16`` tells the compiler every
+address is a multiple of 16 bytes. Addresses are raw and may be device memory or pinned host memory (unified
+addressing makes both reachable from a kernel). This module imports Triton, so it is imported only when a copy
+kernel is wanted; under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors, which is how its bytes are
+tested on machines without a GPU.
 """
 
 from __future__ import annotations

@@ -32,19 +32,15 @@ MAX_CHUNKS = 65535  # the grid's second axis
 CHUNK_ENV, HINT_ENV = "KVPLANE_COPY_KERNEL_CHUNK", "KVPLANE_COPY_KERNEL_HINT16"
 
 
-def word_size(plan: CopyPlan) -> int:
-    """The widest of 8, 4, 2 and 1 bytes dividing every address and length of ``plan``."""
+def alignment(plan: CopyPlan) -> int:
+    """The largest power of two dividing every address and length of ``plan`` (capped at 16)."""
     bits = int(np.bitwise_or.reduce(np.concatenate([plan.src, plan.dst, plan.length])))
-    return min(8, bits & -bits) if bits else 8
+    return min(16, bits & -bits) if bits else 16
 
 
 def block_words(word: int, max_words: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Words per program: ``chunk_bytes`` worth, or fewer for small descriptors (a power of two, >= 16)."""
     return min(max(16, chunk_bytes // word), max(16, 1 << max(0, int(max_words - 1).bit_length())))
-
-
-def aligned16(plan: CopyPlan) -> bool:
-    return not int(np.bitwise_or.reduce(np.concatenate([plan.src, plan.dst, plan.length]))) % 16
 
 
 class PinnedTables:
@@ -121,7 +117,8 @@ class TritonCopyKernel:
         n = len(plan)
         if not n:
             return
-        word = word_size(plan)
+        align = alignment(plan)
+        word = min(8, align)  # the widest word that divides every address and length
         words = plan.length // word
         block = block_words(word, int(words.max()), self.chunk_bytes)
         chunks = -(-int(words.max()) // block)
@@ -136,7 +133,7 @@ class TritonCopyKernel:
                 table = self._tables.upload(columns, self.device)
             else:
                 table = torch.from_numpy(np.ascontiguousarray(np.stack(columns)))
-            hint = self.hint16 and word == 8 and aligned16(plan)
+            hint = self.hint16 and align == 16
             try:
                 copy_descriptors[(n, chunks)](table, n, BLOCK=block, WORD=word, ALIGNED16=hint, num_warps=4)
             except Exception:  # a Triton that cannot compile the hint: the plain kernel, from now on
