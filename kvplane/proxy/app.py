@@ -26,7 +26,7 @@ from aiohttp import web
 from kvplane.proxy import bodies, flows
 from kvplane.proxy.config import Instance, ProxyConfig
 from kvplane.proxy.errors import ProxyError
-from kvplane.proxy.health import record, run_checks
+from kvplane.proxy.health import record_unreachable, run_checks
 from kvplane.proxy.legs import DecodeAnswer, call_get, rest_of_stream
 from kvplane.proxy.metrics import ProxyMetrics
 from kvplane.proxy.pool import InstancePool
@@ -42,8 +42,8 @@ class ProxyState:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.metrics = ProxyMetrics()
-        self.prefill = InstancePool(config.prefill, config.policy)
-        self.decode = InstancePool(config.decode, config.policy)
+        self.prefill = InstancePool(config.prefill, config.policy, config.health_failures)
+        self.decode = InstancePool(config.decode, config.policy, config.health_failures)
         self.session: aiohttp.ClientSession | None = None
         self.health: asyncio.Task[None] | None = None
         self.push_ids: set[str] = set()  # X-Request-Ids in flight (push modes)
@@ -74,7 +74,7 @@ class ProxyState:
             raise RuntimeError("the proxy app has not started: serve it with aiohttp (web.run_app / AppRunner)")
 
         def unreachable(inst: Instance, why: str) -> None:
-            record(self.prefill if inst.role == "prefill" else self.decode, self.metrics, inst, False, why)
+            record_unreachable(self.prefill if inst.role == "prefill" else self.decode, self.metrics, inst, why)
 
         return flows.Route(self.config, self.session, self.prefill, self.decode, self.metrics, unreachable)
 
@@ -110,7 +110,8 @@ async def _session(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _health(request: web.Request) -> web.Response:
-    """200 while at least one instance of each role passes its checks; else 503 naming the roles with none."""
+    """200 while at least one instance of each role is in rotation (passes its health checks); else 503 naming
+    the roles with none (requests are still sent to them: ``InstancePool.pick``)."""
     state = request.app[STATE]
     missing = [role for role, pool in (("prefill", state.prefill), ("decode", state.decode)) if not any(pool.up.values())]
     return web.json_response({"status": "unhealthy" if missing else "ok", "missing": missing,
@@ -153,16 +154,13 @@ async def _serve(request: web.Request) -> web.StreamResponse:
     try:
         try:
             body = bodies.check_request(path, await _json(request), mode)
-            # the decode is leased until the answer's last byte: least-outstanding counts it
-            with state.naming(request_id), state.decode.lease() as d_inst:
-                if mode == "pull":
-                    answer, outcome = await flows.pull(state.route(), d_inst, path, body, headers)
-                else:
-                    answer, outcome = await flows.push(state.route(), d_inst, path, body, headers, request_id)
-                try:
+            with state.naming(request_id):
+                answer, outcome = await flows.serve(state.route(), path, body, headers, request_id)
+                try:  # the decode is leased until the answer's last byte: least-outstanding counts it
                     return await _respond(request, state, answer, path, outcome, request_id, start)
                 finally:
                     answer.close()
+                    state.decode.release(answer.inst)
         except ProxyError as e:
             return _error(state, path, e, request_id)
         except Exception as e:  # a bug of the proxy: still a JSON answer, and the traceback in the log

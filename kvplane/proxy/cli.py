@@ -11,7 +11,7 @@ import logging
 
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.config import MODES
-from kvplane.proxy.config import ON_PREFILL_FAILURE, POLICIES, Instance, ProxyConfig
+from kvplane.proxy.config import ON_PREFILL_FAILURE, ON_TRANSFER_FAILURE, POLICIES, Instance, ProxyConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,8 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-timeout", type=float, default=300.0, help="seconds without a byte from the decode")
     p.add_argument("--connect-timeout", type=float, default=5.0)
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between GET /health checks")
+    p.add_argument("--health-timeout", type=float, default=5.0, help="seconds one GET /health check may take")
+    p.add_argument("--health-failures", type=int, default=3,
+                   help="failed health checks in a row that take an instance out of rotation")
     p.add_argument("--on-prefill-failure", choices=ON_PREFILL_FAILURE, default="error",
                    help="answer an error, or let the decode compute the prompt itself")
+    p.add_argument("--on-transfer-failure", choices=ON_TRANSFER_FAILURE, default="error",
+                   help="answer a P/D decode's 5xx, or retry the request once on a decode without kv_transfer_params")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on exit")
 
 
@@ -38,7 +43,9 @@ def config_from(args: argparse.Namespace) -> ProxyConfig:
         mode=args.mode, policy=args.policy, host=args.host, port=args.port,
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
         connect_timeout_s=args.connect_timeout, health_interval_s=args.health_interval,
-        on_prefill_failure=args.on_prefill_failure, shutdown_timeout_s=args.shutdown_timeout,
+        health_timeout_s=args.health_timeout, health_failures=args.health_failures,
+        on_prefill_failure=args.on_prefill_failure, on_transfer_failure=args.on_transfer_failure,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
 
 

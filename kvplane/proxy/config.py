@@ -24,6 +24,8 @@ Policy = Literal["round-robin", "least-outstanding"]
 POLICIES: tuple[Policy, ...] = ("round-robin", "least-outstanding")
 OnPrefillFailure = Literal["error", "decode-only"]
 ON_PREFILL_FAILURE: tuple[OnPrefillFailure, ...] = ("error", "decode-only")
+OnTransferFailure = Literal["error", "retry-plain"]
+ON_TRANSFER_FAILURE: tuple[OnTransferFailure, ...] = ("error", "retry-plain")
 INSTANCE_KEYS = ("engine_id", "side_channel", "tp_size")
 
 
@@ -71,7 +73,10 @@ class ProxyConfig:
     ``prefill_timeout_s`` bounds the whole prefill leg. ``decode_timeout_s`` bounds the wait for each byte of
     the decode's answer (a long generation that keeps streaming is never cut), and in push modes the wait for
     the first one. ``on_prefill_failure`` is ``error`` (a 502/504 naming the prefill) or ``decode-only`` (the
-    decode computes the prompt itself). In-flight requests get ``shutdown_timeout_s`` to finish on SIGTERM.
+    decode computes the prompt itself). An instance leaves rotation after ``health_failures`` failed health checks
+    in a row (each bounded by ``health_timeout_s``). ``on_transfer_failure`` is ``error`` (a decode's 5xx goes to
+    the client) or ``retry-plain`` (the request is sent once more to a decode, without ``kv_transfer_params``).
+    In-flight requests get ``shutdown_timeout_s`` to finish on SIGTERM.
     """
 
     prefill: tuple[Instance, ...]
@@ -84,8 +89,10 @@ class ProxyConfig:
     decode_timeout_s: float = 300.0
     connect_timeout_s: float = 5.0
     health_interval_s: float = 2.0
-    health_timeout_s: float = 2.0
+    health_timeout_s: float = 5.0
+    health_failures: int = 3
     on_prefill_failure: OnPrefillFailure = "error"
+    on_transfer_failure: OnTransferFailure = "error"
     shutdown_timeout_s: float = 30.0
     max_body_bytes: int = 64 << 20
     extra_headers: dict[str, str] = field(default_factory=dict)
@@ -101,6 +108,12 @@ class ProxyConfig:
         if self.on_prefill_failure not in ON_PREFILL_FAILURE:
             raise ProxyConfigError(f"--on-prefill-failure {self.on_prefill_failure!r}: use one of "
                                    f"{ON_PREFILL_FAILURE}")
+        if self.on_transfer_failure not in ON_TRANSFER_FAILURE:
+            raise ProxyConfigError(f"--on-transfer-failure {self.on_transfer_failure!r}: use one of "
+                                   f"{ON_TRANSFER_FAILURE}")
+        if not self.health_failures >= 1:
+            raise ProxyConfigError(f"--health-failures {self.health_failures!r}: give the number of failed health "
+                                   f"checks in a row that take an instance out of rotation, 1 or more")
         for name in ("prefill_timeout_s", "decode_timeout_s", "connect_timeout_s", "health_interval_s",
                      "health_timeout_s", "shutdown_timeout_s"):
             if not getattr(self, name) > 0:

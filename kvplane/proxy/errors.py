@@ -13,9 +13,13 @@ from kvplane.errors import KvplaneError
 
 
 class ProxyError(KvplaneError):
-    def __init__(self, status: int, cause: str, message: str) -> None:
+    """``instance_status``: the HTTP status the instance answered (``<leg>_status``), or the ``code`` of the error
+    event that began its stream; 0 for every other failure."""
+
+    def __init__(self, status: int, cause: str, message: str, instance_status: int = 0) -> None:
         super().__init__(message)
         self.status, self.cause, self.message = status, cause, message
+        self.instance_status = instance_status
 
     def body(self, request_id: str) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.cause, "code": self.status,

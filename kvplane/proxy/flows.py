@@ -7,15 +7,19 @@
   (``tokens.new_token``), so the prefill pushes only to that decode. The decode's answer is held until the
   prefill has answered: a decode that answers first is delivered only if the prefill then succeeds.
 
-The caller leases the decode instance (``InstancePool.lease``) for the whole answer, streaming included, so
-that least-outstanding selection counts it until the last byte. A prefill failure is answered as a ``ProxyError`` or, with ``--on-prefill-failure decode-only``, by sending the
-request to the decode alone (outcome ``fallback``).
+``serve`` runs the mode's flow on a decode instance it leases (``InstancePool.acquire``); the caller releases it
+after the whole answer, streaming included, so that least-outstanding selection counts it until the last byte. A
+prefill failure is answered as a ``ProxyError`` or, with ``--on-prefill-failure decode-only``, by sending the
+request to the decode alone (outcome ``fallback``). A decode that answers a P/D request with a 5xx before anything
+reached the client (``is_transfer_fault``: vLLM's answer when a KV load failed) is answered as a ``ProxyError`` or,
+with ``--on-transfer-failure retry-plain``, by sending the client's request once more, without
+``kv_transfer_params``, to a decode instance (another one while one is up; outcome ``retried``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +30,27 @@ from kvplane.flows.disagg.tokens import new_token
 from kvplane.proxy import bodies
 from kvplane.proxy.config import Instance, ProxyConfig
 from kvplane.proxy.errors import ProxyError
-from kvplane.proxy.legs import DecodeAnswer, Unreachable, call_prefill, open_decode
+from kvplane.proxy.legs import DecodeAnswer, Unreachable, call_prefill, first_event_error, open_decode
 from kvplane.proxy.metrics import ProxyMetrics
 from kvplane.proxy.pool import InstancePool
+
+logger = logging.getLogger("kvplane.proxy")
+
+
+def is_transfer_fault(had_params: bool, status: int) -> bool:
+    """Whether ``--on-transfer-failure retry-plain`` retries a decode's failure: a 5xx (its HTTP status, or the
+    ``code`` of the error event its stream began with) to a request that carried ``kv_transfer_params``. vLLM
+    answers so when the KV load failed under ``kv_load_failure_policy=fail``. A 4xx is the client's mistake, and a
+    plain request (a decode-only fallback, or the retry itself) is not retried."""
+    return had_params and 500 <= status < 600
+
+
+class TransferFault(ProxyError):
+    """The decode ``inst`` answered a P/D request with a 5xx before anything reached the client."""
+
+    def __init__(self, e: ProxyError, inst: Instance) -> None:
+        super().__init__(e.status, e.cause, e.message, e.instance_status)
+        self.inst = inst
 
 
 @dataclass
@@ -49,16 +71,81 @@ async def _prefill(route: Route, inst: Instance, path: str, body: dict[str, Any]
     try:
         return await call_prefill(route.session, inst, path, body, headers, c.prefill_timeout_s,
                                   c.connect_timeout_s, route.unreachable)
+    except ProxyError as e:
+        if e.status >= 500:  # the instance's failure, not the client's: it is now the most recently failed
+            route.prefill.failed(inst)
+        raise
     finally:
         route.metrics.leg_seconds.labels("prefill").observe(time.perf_counter() - start)
 
 
 async def _decode(route: Route, inst: Instance, path: str, body: dict[str, Any],
                   headers: dict[str, str]) -> DecodeAnswer:
+    """The opened answer; a P/D request's 5xx is a ``TransferFault``. With ``retry-plain`` a stream's first event
+    is read whole and judged before anything is passed on."""
     c = route.config
     route.metrics.instance_requests.labels(inst.role, inst.url).inc()
-    return await open_decode(route.session, inst, path, body, headers, c.decode_timeout_s, c.connect_timeout_s,
-                             route.unreachable)
+    had_params = "kv_transfer_params" in body
+    judged = had_params and c.on_transfer_failure == "retry-plain"
+    try:
+        answer = await open_decode(route.session, inst, path, body, headers, c.decode_timeout_s,
+                                   c.connect_timeout_s, route.unreachable, whole_first_event=judged)
+    except ProxyError as e:
+        if e.status >= 500:
+            route.decode.failed(inst)
+        if is_transfer_fault(had_params, e.instance_status):
+            raise TransferFault(e, inst) from None
+        raise
+    code = first_event_error(answer.first) if judged and answer.streamed else 0
+    if is_transfer_fault(had_params, code):
+        answer.close()
+        route.decode.failed(inst)
+        first = answer.first[:500].decode("utf-8", "replace").strip()
+        raise TransferFault(ProxyError(502, "decode_status", f"decode {inst.url}{path} answered HTTP 200 with a "
+                                                             f"stream whose first event is an error: {first}", code),
+                            inst)
+    return answer
+
+
+async def serve(route: Route, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+                ) -> tuple[DecodeAnswer, str]:
+    """The decode's opened answer to a checked request, and the outcome (``ok``, ``fallback``, ``retried``). The
+    answer's instance (``answer.inst``) stays leased: the caller releases it (``route.decode.release``) after
+    the answer's last byte."""
+    d_inst = route.decode.acquire()
+    try:
+        if route.config.mode == "pull":
+            return await pull(route, d_inst, path, body, headers)
+        return await push(route, d_inst, path, body, headers, request_id)
+    except TransferFault as e:
+        route.decode.release(d_inst)
+        if route.config.on_transfer_failure != "retry-plain":
+            raise
+        fault = e
+    except BaseException:
+        route.decode.release(d_inst)
+        raise
+    return await _retry_plain(route, fault, path, body, headers, request_id)
+
+
+async def _retry_plain(route: Route, fault: TransferFault, path: str, body: dict[str, Any], headers: dict[str, str],
+                       request_id: str) -> tuple[DecodeAnswer, str]:
+    """Once, on a decode instance other than the one that failed while another is up, the client's own body."""
+    route.metrics.errors.labels(fault.cause).inc()
+    route.metrics.transfer_retries.labels(path, route.config.mode).inc()
+    inst = route.decode.acquire(avoid=fault.inst.url)
+    logger.warning("kvplane proxy: request %s: %s; retrying it once on decode %s without kv_transfer_params "
+                   "(--on-transfer-failure retry-plain)", request_id, fault.message, inst.url)
+    try:
+        answer = await _decode(route, inst, path, bodies.decode_body(body, None), headers)
+    except ProxyError as e:
+        route.decode.release(inst)
+        raise ProxyError(e.status, e.cause, f"{e.message} (this was the retry without kv_transfer_params, after: "
+                                            f"{fault.message})", e.instance_status) from None
+    except BaseException:
+        route.decode.release(inst)
+        raise
+    return answer, "retried"
 
 
 def _returned_params(inst: Instance, path: str, answer: dict[str, Any]) -> dict[str, Any]:
@@ -71,7 +158,7 @@ def _returned_params(inst: Instance, path: str, answer: dict[str, Any]) -> dict[
 
 
 def _may_fall_back(route: Route, e: ProxyError) -> bool:
-    """A prefill failure (none up included) the decode then serves alone, with ``--on-prefill-failure
+    """A prefill failure the decode then serves alone, with ``--on-prefill-failure
     decode-only``; a 4xx is the client's mistake and goes back to it."""
     if route.config.on_prefill_failure != "decode-only" or e.status < 500:
         return False
@@ -96,13 +183,7 @@ async def pull(route: Route, d_inst: Instance, path: str, body: dict[str, Any], 
 async def push(route: Route, d_inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str],
                request_id: str) -> tuple[DecodeAnswer, str]:
     token = new_token()
-    with contextlib.ExitStack() as held:
-        try:
-            p_inst = held.enter_context(route.prefill.lease())
-        except ProxyError as e:  # none up
-            if not _may_fall_back(route, e):
-                raise
-            return await _decode(route, d_inst, path, bodies.decode_body(body, None), headers), "fallback"
+    with route.prefill.lease() as p_inst:
         params = bodies.push_params(p_inst, path, request_id, route.config.mode, token)
         decoding = asyncio.ensure_future(_decode(route, d_inst, path, bodies.decode_body(body, params), headers))
         prefilling = asyncio.ensure_future(_prefill(route, p_inst, path, bodies.prefill_body(body, token), headers))

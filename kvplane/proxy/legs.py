@@ -24,6 +24,7 @@ from kvplane.proxy.config import Instance
 from kvplane.proxy.errors import ProxyError
 
 Unreachable = Callable[[Instance, str], None]
+FIRST_EVENT_MAX = 1 << 16  # bytes of a stream held back at most while waiting for the end of its first event
 
 
 def _failure(leg: str, inst: Instance, path: str, exc: BaseException, timeout_s: float,
@@ -48,7 +49,24 @@ def _failure(leg: str, inst: Instance, path: str, exc: BaseException, timeout_s:
 async def _status_error(leg: str, inst: Instance, path: str, resp: aiohttp.ClientResponse) -> ProxyError:
     text = (await resp.read())[:500].decode("utf-8", "replace")
     status = resp.status if 400 <= resp.status < 500 else 502
-    return ProxyError(status, f"{leg}_status", f"{leg} {inst.url}{path} answered HTTP {resp.status}: {text}")
+    return ProxyError(status, f"{leg}_status", f"{leg} {inst.url}{path} answered HTTP {resp.status}: {text}",
+                      resp.status)
+
+
+def first_event_error(first: bytes) -> int:
+    """The ``code`` of a stream's first event when that event is complete and is ``data: {"error": {..., "code":
+    N}}`` (vLLM fails a request whose stream has begun so: its status is 200 by then), else 0."""
+    event, end, _ = first.replace(b"\r\n", b"\n").partition(b"\n\n")
+    if not end:
+        return 0
+    data = b"\n".join(line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
+    try:
+        parsed = json.loads(data)
+    except ValueError:  # not JSON, not UTF-8
+        return 0
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else 0
 
 
 def parse_json(leg: str, inst: Instance, path: str, raw: bytes) -> dict[str, Any]:
@@ -109,7 +127,9 @@ class DecodeAnswer:
 
 async def open_decode(session: aiohttp.ClientSession, inst: Instance, path: str, body: dict[str, Any],
                       headers: dict[str, str], timeout_s: float, connect_s: float,
-                      unreachable: Unreachable) -> DecodeAnswer:
+                      unreachable: Unreachable, whole_first_event: bool = False) -> DecodeAnswer:
+    """``whole_first_event``: a stream's first bytes are read up to the end of its first event (at most
+    ``FIRST_EVENT_MAX`` bytes), so that ``first_event_error`` can judge it before anything is passed on."""
     streamed = bool(body.get("stream"))
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=timeout_s)
     try:
@@ -120,6 +140,12 @@ async def open_decode(session: aiohttp.ClientSession, inst: Instance, path: str,
         if resp.status != 200:
             raise await _status_error("decode", inst, path, resp)
         first = await resp.content.readany() if streamed else await resp.read()
+        while streamed and whole_first_event and first and len(first) < FIRST_EVENT_MAX and \
+                b"\n\n" not in first.replace(b"\r\n", b"\n"):
+            more = await resp.content.readany()
+            if not more:
+                break
+            first += more
         if not streamed:
             parse_json("decode", inst, path, first)
         return DecodeAnswer(inst, path, resp, first, streamed, timeout_s)

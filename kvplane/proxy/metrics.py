@@ -1,10 +1,13 @@
 """The proxy's Prometheus metrics, in a registry of its own (served at ``/metrics``).
 
-- ``kvplane_proxy_requests_total{endpoint, mode, outcome}``: requests answered (``ok``, ``error``, ``fallback``);
+- ``kvplane_proxy_requests_total{endpoint, mode, outcome}``: requests answered (``ok``, ``error``, ``fallback``,
+  ``retried``);
 - ``kvplane_proxy_leg_seconds{leg}``: time of each leg (``prefill``, ``decode`` to its last byte, ``total``);
 - ``kvplane_proxy_errors_total{cause}``: failures by cause (``prefill_timeout``, ``decode_bad_json``, ...);
 - ``kvplane_proxy_in_flight``: requests being served; ``kvplane_proxy_instance_up{role, url}``: health;
-- ``kvplane_proxy_instance_requests_total{role, url}``: requests sent to each instance.
+- ``kvplane_proxy_instance_requests_total{role, url}``: requests sent to each instance;
+- ``kvplane_proxy_transfer_retries_total{endpoint, mode}``: P/D requests sent once more without
+  ``kv_transfer_params`` after their decode answered a 5xx (``--on-transfer-failure retry-plain``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ class ProxyMetrics:
                                  ["role", "url"], registry=self.registry)
         self.instance_requests = Counter("kvplane_proxy_instance_requests", "Requests sent to each instance",
                                          ["role", "url"], registry=self.registry)
+        self.transfer_retries = Counter("kvplane_proxy_transfer_retries",
+                                        "P/D requests retried without kv_transfer_params after a decode's 5xx",
+                                        ["endpoint", "mode"], registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,14 @@
-"""Which instance gets the next request: round-robin or least outstanding requests, over the healthy ones.
+"""Which instance gets the next request, and whether each instance is in rotation.
 
-``InstancePool`` keeps, per instance, whether it is up (health checks and failed connections say so) and how
-many requests it is serving. ``lease`` picks one and counts it until the request ends, on every path.
+``InstancePool`` keeps, per instance, whether it is up (in rotation), how many health checks in a row it has
+failed, when it last failed (a health check or a request: a sequence number, not a clock) and how many requests
+it is serving. An instance leaves rotation after ``health_failures`` failed checks in a row (``after_check``), or
+at once when a request cannot connect to it; one passing check puts it back.
+
+``pick`` chooses among the instances in rotation: round-robin, or least outstanding requests (ties in round-robin
+order). While none of the role is up it does not refuse: it picks the least recently failed instance, so a sole
+instance that answers its health checks late still gets the request, and only the request's own failure is
+answered. ``lease`` (or ``acquire`` then ``release``) counts the request on the instance until it ends.
 """
 
 from __future__ import annotations
@@ -10,43 +17,81 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvplane.proxy.config import Instance, Policy
-from kvplane.proxy.errors import ProxyError
+
+
+def after_check(up: bool, failures: int, ok: bool, threshold: int) -> tuple[bool, int]:
+    """An instance's (in rotation, failed checks in a row) after one health check: a pass puts it back at once; the
+    ``threshold``-th failure in a row takes it out. An instance already out (a request could not connect) stays out
+    until a check passes."""
+    if ok:
+        return True, 0
+    failures += 1
+    return up and failures < threshold, failures
 
 
 class InstancePool:
-    def __init__(self, instances: tuple[Instance, ...], policy: Policy) -> None:
+    def __init__(self, instances: tuple[Instance, ...], policy: Policy, health_failures: int = 3) -> None:
         self.instances = instances
         self.policy = policy
+        self.health_failures = health_failures
         self.up = {inst.url: True for inst in instances}
+        self.failures = {inst.url: 0 for inst in instances}  # failed health checks in a row
+        self.failed_at = {inst.url: 0 for inst in instances}  # the sequence number of its last failure, 0: never
         self.outstanding = {inst.url: 0 for inst in instances}
+        self._failures_seen = 0
         self._next = 0
 
-    def pick(self) -> Instance:
+    def pick(self, avoid: str = "") -> Instance:
+        """The next instance. ``avoid`` (a URL) is skipped while another instance of the pool is a candidate: in
+        rotation, or, with none up, any other."""
         n = len(self.instances)
         order = [self.instances[(self._next + i) % n] for i in range(n)]
         healthy = [inst for inst in order if self.up[inst.url]]
-        if not healthy:
-            role = self.instances[0].role
-            raise ProxyError(503, f"no_{role}", f"no {role} instance is up ({', '.join(self.up)} failed their "
-                                                f"health checks); check them with GET /health")
-        if self.policy == "least-outstanding":
-            chosen = min(healthy, key=lambda inst: self.outstanding[inst.url])  # ties: round-robin order
+        candidates = [inst for inst in healthy or order if inst.url != avoid] or healthy or order
+        if not healthy:  # none up: still sent, to the least recently failed (ties: round-robin order)
+            chosen = min(candidates, key=lambda inst: self.failed_at[inst.url])
+        elif self.policy == "least-outstanding":
+            chosen = min(candidates, key=lambda inst: self.outstanding[inst.url])  # ties: round-robin order
         else:
-            chosen = healthy[0]
+            chosen = candidates[0]
         self._next = (self.instances.index(chosen) + 1) % n
         return chosen
 
-    @contextmanager
-    def lease(self) -> Iterator[Instance]:
-        inst = self.pick()
+    def acquire(self, avoid: str = "") -> Instance:
+        """``pick``, counted as outstanding until ``release``."""
+        inst = self.pick(avoid)
         self.outstanding[inst.url] += 1
+        return inst
+
+    def release(self, inst: Instance) -> None:
+        self.outstanding[inst.url] -= 1
+
+    @contextmanager
+    def lease(self, avoid: str = "") -> Iterator[Instance]:
+        inst = self.acquire(avoid)
         try:
             yield inst
         finally:
-            self.outstanding[inst.url] -= 1
+            self.release(inst)
 
-    def mark(self, inst: Instance, up: bool) -> bool:
-        """Record a health result; True when it changed."""
-        changed = self.up[inst.url] != up
-        self.up[inst.url] = up
-        return changed
+    def checked(self, inst: Instance, ok: bool) -> bool:
+        """Record a health check's result; True when the instance entered or left rotation."""
+        if not ok:
+            self._failed(inst)
+        was = self.up[inst.url]
+        self.up[inst.url], self.failures[inst.url] = after_check(was, self.failures[inst.url], ok,
+                                                                 self.health_failures)
+        return self.up[inst.url] != was
+
+    def failed(self, inst: Instance, out: bool = False) -> bool:
+        """Record a request that failed on the instance; ``out`` (it could not connect) takes it out of rotation at
+        once. True when it left rotation."""
+        self._failed(inst)
+        was = self.up[inst.url]
+        if out:
+            self.up[inst.url] = False
+        return self.up[inst.url] != was
+
+    def _failed(self, inst: Instance) -> None:
+        self._failures_seen += 1
+        self.failed_at[inst.url] = self._failures_seen

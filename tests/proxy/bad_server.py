@@ -7,7 +7,10 @@ One port per behaviour ``B`` (the ready file maps each to its port):
 - ``fail``: HTTP 500 with a JSON error; ``reject``: HTTP 400 with a JSON error (the client's mistake, as vLLM
   answers a prompt longer than the model's context); ``garbage``: HTTP 200 with a body that is not JSON;
 - ``hang``: reads the request and never answers; ``reset``: resets the connection (RST) without answering;
-- ``midstream``: starts a stream, sends one event, then resets; ``trickle``: sends one event, then nothing.
+- ``midstream``: starts a stream, sends one event, then resets; ``trickle``: sends one event, then nothing;
+- ``kvfail``: a request with ``kv_transfer_params`` fails as vLLM 0.27.1 answers one whose KV load failed under
+  ``kv_load_failure_policy=fail``: HTTP 500 with its error body, or, streamed, HTTP 200 whose first event is that
+  error, then ``[DONE]``; a request without them is answered as ``ok`` answers.
 
 ``GET /v1/models`` answers a model list naming the port (``ok``...), or misbehaves as the completions do
 (``fail``, ``reject``, ``garbage``, ``hang``, ``reset``). ``GET /health`` answers 200, or 503 after ``POST /health/down`` (``POST /health/up`` restores it). Handlers of
@@ -27,6 +30,8 @@ from typing import Any
 
 from aiohttp import web
 
+VLLM_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                        "code": 500}}
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-x",
           "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1,
           "remote_block_ids": [[1, 2]], "remote_num_tokens": 20}
@@ -65,6 +70,14 @@ def behaviour(kind: str, port: int) -> Any:
             return bad
         if kind == "slow":
             await asyncio.sleep(1.0)
+        if kind == "kvfail" and "kv_transfer_params" in body:
+            if not body.get("stream"):
+                return web.json_response(VLLM_ERROR, status=500)
+            failed = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await failed.prepare(request)
+            await failed.write(f"data: {json.dumps(VLLM_ERROR)}\n\ndata: [DONE]\n\n".encode())
+            await failed.write_eof()
+            return failed
         answer = {"id": "x", "object": "text_completion", "model": body.get("model"),
                   "choices": [{"index": 0, "text": str(port)}], "kv_transfer_params": PARAMS,
                   "echo": {"body": body, "x_request_id": request.headers.get("X-Request-Id")}}

@@ -27,7 +27,8 @@ from kvplane.proxy.app import SERVING
 HERE = Path(__file__).parent
 STARTUP_S = 120.0
 WAIT_S = 60.0
-BEHAVIOURS = ("ok", "ok2", "slow", "fail", "reject", "garbage", "hang", "reset", "midstream", "trickle")
+BEHAVIOURS = ("ok", "ok2", "slow", "fail", "reject", "garbage", "hang", "reset", "midstream", "trickle",
+              "kvfail")
 
 
 @dataclass

@@ -35,6 +35,7 @@ def config(bad: Proc, prefill: str, decode: str, mode: str = "pull", **kw: Any) 
 
 
 HANG_PREFILL, HANG_DECODE = {"prefill_timeout_s": 1.0}, {"decode_timeout_s": 1.0}  # for the leg that hangs
+RETRY = {"on_transfer_failure": "retry-plain"}
 
 
 async def post(url: str, body: Any, path: str = "/v1/completions", headers: dict[str, str] | None = None,
@@ -273,6 +274,9 @@ LEAK_CASES: list[tuple[str, str, str, dict[str, Any], dict[str, Any], int]] = [
     ("push", "hang", "fail", BODY, {"prefill_timeout_s": 600.0}, 502),
     ("push", "fail", "hang", BODY, {"decode_timeout_s": 600.0}, 502),
     ("push", "hang", "ok", BODY, HANG_PREFILL, 504),
+    # --on-transfer-failure retry-plain: the failed decode answer is closed and its lease given back
+    ("pull", "ok", "kvfail", BODY, RETRY, 200), ("pull", "ok", "kvfail", {**BODY, "stream": True}, RETRY, 200),
+    ("push", "ok", "kvfail", BODY, RETRY, 200), ("pull", "ok", "fail", BODY, RETRY, 502),
 ]
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from proxyproc import Proc, instance, serve_proxy, until_decode_up, until_metric
+from proxyproc import Proc, instance, serve_proxy, until, until_decode_up, until_metric
 
 from kvplane.proxy import Instance, ProxyConfig, health
 from kvplane.proxy.app import STATE
@@ -116,7 +116,9 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_an_unreachable_instance_is_taken_out_at_once_and_none_left_is_a_503(bad: Proc) -> None:
+def test_an_unreachable_instance_is_taken_out_at_once_and_a_role_with_none_left_still_gets_the_request(
+        bad: Proc) -> None:
+    """None up is no 503: the request goes to the instance anyway, and its own failure is the answer."""
     dead = dead_url()
 
     async def go() -> tuple[list[Any], list[Any]]:
@@ -130,13 +132,79 @@ def test_an_unreachable_instance_is_taken_out_at_once_and_none_left_is_a_503(bad
         async with serve_proxy(alone) as (url, _), aiohttp.ClientSession() as client:
             statuses = [await served_by(client, url) for _ in range(2)]
             async with client.post(f"{url}/v1/completions", json=BODY) as resp:
-                message = (await resp.json())["error"]["message"]
-        return first, [*statuses, message]
+                error = (await resp.json())["error"]
+            async with client.get(f"{url}/health") as resp:
+                health_answer = resp.status, (await resp.json())["missing"]
+        return first, [*statuses, error, health_answer]
 
-    first, (unreachable, none_up, message) = asyncio.run(go())
+    first, (unreachable, again, error, health_answer) = asyncio.run(go())
     assert first == [502, str(bad.ready["ok"]), str(bad.ready["ok"])]  # then out of rotation
-    assert (unreachable, none_up) == (502, 503)
-    assert "no decode instance is up" in message and dead in message
+    assert (unreachable, again) == (502, 502)  # tried again, not refused with a 503
+    assert error["type"] == "decode_unreachable" and f"decode {dead}" in error["message"], error
+    assert health_answer == (503, ["decode"])  # /health still says that no decode passes its checks
+
+
+def test_requests_still_reach_instances_that_all_failed_their_health_checks(bad: Proc) -> None:
+    async def go() -> tuple[set[Any], int]:
+        decodes = [f"http://127.0.0.1:{bad.ready[d]}" for d in ("ok", "ok2")]
+        async with serve_proxy(config(bad, ["ok", "ok2"], health_interval_s=0.05, health_failures=1)) as (url, _), \
+                aiohttp.ClientSession() as client:
+            try:
+                for decode in decodes:
+                    async with client.post(f"{decode}/health/down"):
+                        pass
+                for decode in decodes:
+                    await until_decode_up(client, url, decode, False)
+                served = {await served_by(client, url) for _ in range(4)}
+                async with client.get(f"{url}/health") as resp:
+                    return served, resp.status
+            finally:
+                for decode in decodes:
+                    async with client.post(f"{decode}/health/up"):
+                        pass
+
+    served, health_status = asyncio.run(go())
+    assert served <= {str(bad.ready["ok"]), str(bad.ready["ok2"])} and served, served  # answered, not 503
+    assert health_status == 503
+
+
+def test_an_instance_leaves_rotation_after_health_failures_failed_checks_in_a_row(
+        bad: Proc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--health-failures 3 with a sole decode: two failed checks leave it in rotation, the third takes it out (GET
+    /health answers 503 naming decode) yet requests still reach it, and one passing check puts it back. The
+    decode's checks are the test's: each waits for the result the test gives next, so no clock decides."""
+    decode = f"http://127.0.0.1:{bad.ready['ok2']}"
+    results: list[asyncio.Queue[str]] = []
+    begun = [0]  # checks of the decode begun
+
+    async def scripted(session: aiohttp.ClientSession, inst: Instance, timeout_s: float) -> str:
+        if inst.url != decode:
+            return ""
+        begun[0] += 1
+        return await results[0].get()
+
+    monkeypatch.setattr(health, "check", scripted)
+
+    async def go() -> list[tuple[bool, int, Any]]:
+        results.append(asyncio.Queue())
+        seen = []
+        async with serve_proxy(config(bad, ["ok2"], health_interval_s=0.01, health_failures=3),
+                               shutdown_timeout=0.1) as (url, app), aiohttp.ClientSession() as client:
+
+            async def started(n: int) -> bool:
+                return begun[0] >= n
+
+            await until(lambda: started(1), "the first check of the decode")
+            for n, result in enumerate(["GET /health answered 503", "timed out", "timed out", ""], start=1):
+                results[0].put_nowait(result)
+                await until(lambda: started(n + 1), f"check {n + 1} of the decode")  # check n is recorded
+                async with client.get(f"{url}/health") as resp:
+                    seen.append((app[STATE].decode.up[decode], resp.status, await served_by(client, url)))
+        return seen
+
+    served = str(bad.ready["ok2"])
+    assert asyncio.run(go()) == [(True, 200, served), (True, 200, served), (False, 503, served),
+                                 (True, 200, served)]
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -148,7 +216,8 @@ def test_decode_only_fallback_serves_while_no_prefill_is_up(bad: Proc, mode: str
         cfg = ProxyConfig(prefill=(prefill,), decode=(instance(bad, "ok", "decode"),), mode=mode,  # type: ignore[arg-type]
                           on_prefill_failure="decode-only", health_interval_s=60.0)
         async with serve_proxy(cfg) as (url, app), aiohttp.ClientSession() as client:
-            # the first finds the prefill unreachable (it leaves rotation), the second finds none up
+            # the first finds the prefill unreachable (it leaves rotation); with none up the second is sent to it
+            # anyway, and falls back when it is refused again
             return [await served_by(client, url) for _ in range(2)], app[STATE].prefill.up[dead]
 
     served, up = asyncio.run(go())
