@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     from kvplane.cli.conformance import add_arguments
 
     add_arguments(sub.add_parser("conformance", help="certify a backend: run the conformance suite, print a report"))
+    from kvplane.cli.keys import add_arguments as add_keys_arguments
+
+    add_keys_arguments(sub.add_parser("keys", help="write a CURVE key pair for the side channel: NAME.key, NAME.pub"))
     from kvplane.proxy.cli import add_arguments as add_proxy_arguments
 
     add_proxy_arguments(sub.add_parser("proxy", help="OpenAI-compatible P/D router (docs/proxy.md)"))
@@ -46,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvplane.proxy.cli import run as run_proxy
 
             return run_proxy(args)
+        if args.command == "keys":
+            from kvplane.cli.keys import run as run_keys
+
+            return run_keys(args)
         if args.command == "conformance":
             from kvplane.cli.conformance import run
 

@@ -87,6 +87,10 @@ class DisaggConfig:
     curve_secret_key: str = ""
     curve_server_key: str = ""
     curve_allowed_clients: tuple[str, ...] = ()
+    # the same from files (``kvplane keys NAME`` writes NAME.key / NAME.pub), read when the config is built
+    curve_secret_key_file: str = ""
+    curve_server_key_file: str = ""
+    curve_allowed_clients_file: str = ""  # decode public keys, one per line; added to curve_allowed_clients
     allow_unauthenticated: bool = False  # listen on a non-loopback address without keys: an explicit choice
 
     def __post_init__(self) -> None:
@@ -153,8 +157,10 @@ class DisaggConfig:
                        f"names {unknown}, which the installed NIXL has no plugin for; choose from {list(installed)}")
 
     def _check_auth(self) -> None:
-        from kvplane.flows.disagg.auth import check
+        from kvplane.flows.disagg.auth import check, key_files
 
+        for name, value in key_files(self).items():  # read once, here: a later use never reads a file
+            object.__setattr__(self, name, value)
         check(self, None)  # what holds for every role; each side checks its own role when it starts
 
     @property

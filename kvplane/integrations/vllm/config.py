@@ -17,7 +17,8 @@ them (``flows/disagg/addresses.py``; a set variable wins over the key). Built in
 worker from the same dict with ``kvplane.config.build`` (msgspec): a
 bad value raises ``ConnectorConfigError`` (or ``OffloadConfigError``) naming its path (``$.offload.host_bytes``),
 the value and the fix, before anything starts. Enumerated values are checked against what is there: ``device``
-against the installed backends, ``disagg.transport`` against the installed transports, ``layouts`` against
+(or, without it, ``$KVPLANE_DEVICE``: the name the worker will select) against the installed backends' names,
+without importing a device package, ``disagg.transport`` against the installed transports, ``layouts`` against
 kvplane's layouts and KV families, ``disagg.mode``, ``disagg.protocol``, ``disagg.nixl_backends`` and
 ``offload.store.protocol`` against their choices.
 """
@@ -30,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvplane.backend.registry import ENV_VAR as DEVICE_ENV
 from kvplane.backend.registry import default_registry as backends
 from kvplane.config import build, check_keys
 from kvplane.errors import KvplaneError
@@ -74,6 +76,27 @@ def data_parallel_index(parallel_config: Any) -> int:
 def _one_of(path: str, value: Any, choices: list[str], what: str) -> None:
     if value not in choices:
         raise ConnectorConfigError(f"{WHAT}: {path}={value!r} is not {what}; choose one of {sorted(choices)}")
+
+
+def _check_device(configured: str | None, env: Mapping[str, str]) -> None:
+    """The backend name a worker will select (``device.select_backend``: the key, else ``$KVPLANE_DEVICE``, else
+    vLLM's platform), matched as the registry matches it (stripped, lowercased) against the registered names:
+    entry points ``kvplane.backends``, none imported. Whether it can run here (its ``probe``) is left to the
+    worker, since probing imports the device package."""
+    if configured is not None:
+        setting = f"{WHAT}: $.device={configured!r}"
+        other = f"or remove the key (then ${DEVICE_ENV}, else vLLM's platform, picks)"
+    elif env.get(DEVICE_ENV):
+        configured, setting = env[DEVICE_ENV], f"${DEVICE_ENV}={env[DEVICE_ENV]!r}"
+        other = f"or unset {DEVICE_ENV} (then vLLM's platform picks)"
+    else:
+        return
+    names = backends().names()
+    if configured.strip().lower() not in names:
+        raise ConnectorConfigError(
+            f"{setting} is not an installed backend; kvplane knows {names} (entry points 'kvplane.backends'): "
+            f"choose one of them, install the backend's package (kvplane-cuda, kvplane-ascend, kvplane-mlu), {other}"
+        )
 
 
 @dataclass(frozen=True)
@@ -142,8 +165,8 @@ class ConnectorConfig:
                 f"{WHAT}: $.layouts={layouts!r} must map a family to a layout, e.g. {{'gqa': 'split_kv'}}"
             )
         typed = build(ExtraConfig, extra, what=WHAT, error=ConnectorConfigError)
-        if typed.device is not None:
-            _one_of("$.device", typed.device, backends().names(), "an installed backend")
+        env = os.environ if env is None else env
+        _check_device(typed.device, env)
         for family, layout in (typed.layouts or {}).items():
             _one_of("$.layouts", family, list(FAMILY_SLOTS), "a KV family")
             _one_of(f"$.layouts.{family}", layout, list(LAYOUTS), "a layout")
@@ -156,7 +179,6 @@ class ConnectorConfig:
         if typed.offload is not None:
             offload = OffloadConfig.from_dict(typed.offload, what=WHAT, path="$.offload")
         disagg = None
-        env = os.environ if env is None else env
         if typed.disagg is not None:
             raw = {**typed.disagg, **env_overrides(env, ConnectorConfigError, WHAT)}
             clash = sorted(set(raw) & set(FROM_VLLM))
