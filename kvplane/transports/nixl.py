@@ -6,7 +6,8 @@ after ``register``, so it names the registered memory); ``connect`` loads a peer
 A plan becomes one NIXL request per chunk, driven by ``poll``: index arrays into descriptor lists prepared
 once per peer (``make_prepped_xfer``, ``nixl_prep``), or where a plan does not map onto them, descriptor lists
 built for the request (``initialize_xfer``); ``prep_stats`` counts which path each plan took. NIXL's
-own progress thread moves the bytes, and ``poll`` checks the state, starts the next chunk and retries.
+own progress thread moves the bytes, sleeping between events (``nixl_progress``: NIXL's Python API would have it
+spin), and ``poll`` checks the state (which progresses UCX too), starts the next chunk and retries.
 ``notify`` is attached to the last chunk, which starts only after every earlier one is done; NIXL delivers a
 request's notification once its data has landed. The package is ``nixl_cu12`` or ``nixl_cu13`` (both run
 CPU-only), imported on first use. Methods may be called from several threads (one lock guards the agent).
@@ -45,6 +46,7 @@ from kvplane.transports.batching import (
 )
 from kvplane.transports.chunked import Job
 from kvplane.transports.nixl_prep import Prepper, PrepStats
+from kvplane.transports.nixl_progress import progress_delay_us, start_agent
 from kvplane.transports.nixl_transfer import NixlTransfer
 from kvplane.transports.restarts import RestartBackoff
 
@@ -100,6 +102,7 @@ class NixlTransport(Transport):
         self.agent_name = agent_name or f"kvplane-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.mem_type = backend.nixl_memory_type
         self.dev_id = 0 if self.mem_type == "DRAM" else backend.device_index
+        self.progress_delay_us = progress_delay_us()  # how long NIXL's progress thread may sleep (nixl_progress)
         self.lock = threading.RLock()
         self.agent: Any = self._start_agent()
         self.generation = 0  # resets so far: peer_info() differs after each
@@ -147,7 +150,7 @@ class NixlTransport(Transport):
         os.environ.update({k: defaults[k] for k in added})
         try:
             backends = list(self.config.nixl_backends)
-            agent = self._nixl.nixl_agent(self.agent_name, self._nixl.nixl_agent_config(backends=backends))
+            agent = start_agent(self._nixl, self.module, self.agent_name, backends, self.progress_delay_us)
         except Exception as e:
             raise TransportError(f"NIXL agent {self.agent_name!r} with backends {backends} did not start: "
                                  f"{type(e).__name__}: {e}") from e
