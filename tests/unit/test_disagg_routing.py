@@ -28,6 +28,7 @@ from kvplane.flows.disagg.records import Conn, Want
 def _side(conns: list[Conn]) -> Any:
     side: Any = DecodeSide.__new__(DecodeSide)
     side.config = SimpleNamespace(rank=0, mode="push")
+    side.spec = None  # read only for requests that hold tokens already (Want.split)
     side.counters = SimpleNamespace(rejected=0)
     side._out = Published()
     side.local = SimpleNamespace(arena=None, handshake=lambda: None, generation=0,

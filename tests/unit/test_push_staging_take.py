@@ -25,7 +25,7 @@ def _starter(arena: StagingArena) -> decode_start.Starter:
 
 def _want(ranks: int) -> Any:
     conns = [SimpleNamespace(rank=r, record=SimpleNamespace(manifest=None), stages={}) for r in range(ranks)]
-    return SimpleNamespace(conns=conns, num_tokens=64, block_ids={0: []}, request_id="r", planned=None)
+    return SimpleNamespace(conns=conns, num_tokens=64, block_ids={0: []}, request_id="r", planned=None, first={})
 
 
 @pytest.fixture

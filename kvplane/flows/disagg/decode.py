@@ -145,9 +145,10 @@ class DecodeSide(SideLifecycle):
     # -- engine-facing ------------------------------------------------------------------------------------
     def start_pull(
         self, request_id: str, params: TransferParams | Mapping[str, Any], block_ids: PerGroup,
-        num_tokens: int | None = None,
+        num_tokens: int | None = None, local_tokens: Mapping[int, int] | None = None,
     ) -> None:
-        """Read the request's KV from the prefill ranks named in ``params`` into ``block_ids``."""
+        """Read the request's KV from the prefill ranks named in ``params`` into ``block_ids``; ``local_tokens``:
+        the first tokens of each KV-cache group this rank holds already, which are not read (``routes.py``)."""
         p = params if isinstance(params, TransferParams) else TransferParams.from_dict(params)
         if not p.remote_block_ids or not p.remote_boot_id or not p.kvplane_token:
             raise DisaggError(
@@ -155,7 +156,7 @@ class DecodeSide(SideLifecycle):
                 f"kvplane_token, so there is nothing to pull; forward what the prefill's request_finished returned"
             )
         want = self._want(request_id, p, block_ids, p.remote_num_tokens if num_tokens is None else num_tokens,
-                          "pull", self.config.handshake_timeout_s + self.config.transfer_timeout_s)
+                          "pull", self.config.handshake_timeout_s + self.config.transfer_timeout_s, local_tokens)
         if want.num_tokens > p.remote_num_tokens:
             raise DisaggError(
                 f"request {request_id!r}: num_tokens={want.num_tokens} but the prefill holds "
@@ -164,16 +165,18 @@ class DecodeSide(SideLifecycle):
         self._submit(want)
 
     def register_push(
-        self, request_id: str, params: TransferParams | Mapping[str, Any], block_ids: PerGroup, num_tokens: int
+        self, request_id: str, params: TransferParams | Mapping[str, Any], block_ids: PerGroup, num_tokens: int,
+        local_tokens: Mapping[int, int] | None = None,
     ) -> None:
-        """Offer ``block_ids`` to the prefill ranks named in ``params`` to write the request's KV into."""
+        """Offer ``block_ids`` to the prefill ranks named in ``params`` to write the request's KV into, but for
+        the first ``local_tokens`` of each KV-cache group, which this rank holds already."""
         p = params if isinstance(params, TransferParams) else TransferParams.from_dict(params)
         if not p.kvplane_token:
             raise DisaggError(
                 f"request {request_id!r}: kv_transfer_params.kvplane_token is empty; a push needs the token the "
                 f"proxy gives both instances (build the params with TransferParams.for_push)"
             )
-        want = self._want(request_id, p, block_ids, num_tokens, "push", self.config.push_timeout_s)
+        want = self._want(request_id, p, block_ids, num_tokens, "push", self.config.push_timeout_s, local_tokens)
         self._submit(want)
 
     def abort(self, request_id: str) -> None:
@@ -211,20 +214,22 @@ class DecodeSide(SideLifecycle):
         return self._out.draining
 
     def _want(self, request_id: str, p: TransferParams, block_ids: PerGroup, num_tokens: int, mode: str,
-              budget_s: float) -> Want:
+              budget_s: float, local_tokens: Mapping[int, int] | None) -> Want:
         if request_id in self._active:
             raise DisaggError(
                 f"request {request_id!r} is already receiving KV; wait for its Completion from get_finished() "
                 f"before starting it again"
             )
         ids = self.local.block_ids(request_id, block_ids, num_tokens, distinct=True)
+        held = self.local.held_tokens(request_id, local_tokens or {}, num_tokens)
         remote = {g: np.asarray(v, dtype=np.int64) for g, v in p.block_ids(self.local.group_ids).items()} \
             if p.remote_block_ids else {}
         c = self.config
         ident = Ident(request_id, "pull" if mode == "pull" else "push", p.remote_request_id, p.remote_engine_id,
                       p.remote_boot_id, p.kvplane_token, p.tp_size, c.engine_id, c.rank, c.tp_size,
                       c.drain_timeout_s)
-        return Want(request_id, p, ids, remote, num_tokens, mode, DecodeRequest(ident, time.monotonic() + budget_s))
+        return Want(request_id, p, ids, remote, num_tokens, mode, DecodeRequest(ident, time.monotonic() + budget_s),
+                    local_tokens=held, first=held)
 
     def _submit(self, want: Want) -> None:
         self._active.add(want.request_id)
@@ -392,11 +397,11 @@ class DecodeSide(SideLifecycle):
             key = (want.params.remote_engine_id, want.params.remote_request_id)
             if self._by_remote.get(key) == want.request_id:
                 del self._by_remote[key]
-        failed = {} if state == "done" else {g: tuple(int(b) for b in ids) for g, ids in want.block_ids.items()}
+        failed, skipped = want.split(self.spec)
         if state != "done":
             logger.warning("decode rank %d: request %s %s (%s)", self.config.rank, want.request_id, state, reason)
         recorder().request_ended(self.config.mode if want.mode == "push" else want.mode, state)  # push/layerwise
-        self._out.add(Completion(want.request_id, state, failed, reason))
+        self._out.add(Completion(want.request_id, state, {} if state == "done" else failed, reason, skipped))
 
     # -- loop: messages -----------------------------------------------------------------------------------
     def _on_readable(self, conn: Conn, sock: zmq.Socket[bytes]) -> None:

@@ -7,6 +7,10 @@ A pull stages in bounded chunks (``staged_pull``: READ a chunk, re-lay it out of
 so it needs ``staging_bytes`` to hold one source block, not the request; its ``relayout`` has nothing left to
 do. A push stages the whole request in one range, re-laid out by ``relayout`` on the loop: the prefill writes
 the request into the range the registration names, and the protocol has no per-chunk flow control.
+
+Tokens this rank holds already (``Want.local_tokens``) are left out: ``start`` fixes the first token moved per
+group against the prefill's block sizes (``routes.first_tokens``), every plan here starts there, and a push's
+registration names it (``PushRegister.first_tokens``), so the prefill plans the same writes.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.rank_manifests import check_alike
 from kvplane.flows.disagg.records import Conn, PullPlan, PushPlan, Want
-from kvplane.flows.disagg.routes import layers_by_source, route_plan, staging_needed
+from kvplane.flows.disagg.routes import (
+    after_first,
+    first_tokens,
+    layers_by_source,
+    route_plan,
+    staging_needed,
+)
 from kvplane.flows.disagg.staged_pull import StagedPull
 from kvplane.flows.disagg.staging import ALIGN
 from kvplane.flows.disagg.staging_chunks import Chunk, chunk_bound, split_staged
@@ -62,6 +72,8 @@ class Starter:
         the prefill ranks it went to, or None while no staging room is free (retried on each tick until its
         deadline). Raises ``KvplaneError`` when it cannot be planned; nothing was submitted then."""
         sources = layers_by_source(self.side.local.manifest, want.params.tp_size, want.params.remote_request_id)
+        srcs = [conn.record.manifest for conn in want.conns if conn.record is not None]
+        want.first = first_tokens(srcs, self.side.local.manifest, want.local_tokens, want.num_tokens)
         if want.mode == "pull":
             pull = self._plan_pull(want, sources)
             return None if pull is None else self._start_reads(want, *pull)
@@ -106,7 +118,8 @@ class Starter:
             key = tuple(layers)
             if conn.stages.get(key, True):
                 need = staging_needed(conn.record.manifest, self.side.local.manifest,
-                                      _stand_in_ids(conn, want.num_tokens), want.block_ids, want.num_tokens, layers)
+                                      _stand_in_ids(conn, want.num_tokens), want.block_ids, want.num_tokens, layers,
+                                      want.first)
                 conn.stages[key] = need > 0
                 if need:
                     needs[rank] = need
@@ -165,13 +178,15 @@ class Starter:
         bound, slots = chunk_bound(self.side.local.arena.size, [x for _, of_rank in staged for x in of_rank])
         chunks: list[Chunk] = []
         for rank, of_rank in staged:
-            ids = {x.layer_name: want.remote_ids[self.side.spec.layer(x.layer_name).group_id] for x in of_rank}
+            remote = after_first(manifests[rank], self.side.local.manifest, want.remote_ids, want.block_ids,
+                                 want.num_tokens, want.first)[0]  # the plan's source blocks start at want.first
+            ids = {x.layer_name: remote[self.side.spec.layer(x.layer_name).group_id] for x in of_rank}
             chunks += split_staged(rank, of_rank, ids, bound)
         return direct, chunks, min(slots, len(chunks))
 
     def _route(self, want: Want, src: Manifest, layers: list[str], staging: tuple[int, int] | None) -> TransferPlan:
         return route_plan(src, self.side.local.manifest, want.remote_ids, want.block_ids, want.num_tokens, layers,
-                          staging)
+                          staging, want.first)
 
     def _start_reads(self, want: Want, direct: Direct, chunks: list[Chunk], offset: int, slots: int) -> set[int]:
         pull = None
@@ -199,7 +214,8 @@ class Starter:
                 conn = want.conns[rank]
                 assert conn.record is not None
                 tp = route_plan(conn.record.manifest, self.side.local.manifest, _stand_in_ids(conn, want.num_tokens),
-                                want.block_ids, want.num_tokens, layers, (self.side.local.staging_addr + area[0], area[1]))
+                                want.block_ids, want.num_tokens, layers, (self.side.local.staging_addr + area[0], area[1]),
+                                want.first)
                 want.staged.append((area[0], area[1], tp))
         for conn in want.conns:
             assert conn.record is not None
@@ -215,6 +231,7 @@ class Starter:
                 staging_bytes=area[1] if area else 0,
                 expect_boot=conn.record.boot_id,
                 token=want.params.kvplane_token,
+                first_tokens={g: t for g, t in want.first.items() if t},
             ), self.side.counters)
         return set(range(want.params.tp_size))
 

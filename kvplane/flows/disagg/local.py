@@ -105,6 +105,21 @@ class LocalKV:
                 )
         return ids
 
+    def held_tokens(self, request_id: str, local_tokens: Mapping[int, int], num_tokens: int) -> dict[int, int]:
+        """``local_tokens`` (the first tokens of each group this rank holds already) checked to name this model's
+        groups, in whole local blocks (rounded down) and at most ``num_tokens``; 0 for a group not named."""
+        unknown = sorted(set(local_tokens) - set(self.group_ids))
+        if unknown or any(not isinstance(n, int) or n < 0 for n in local_tokens.values()):
+            raise DisaggError(
+                f"request {request_id!r}: local_tokens={dict(local_tokens)} names groups {unknown} the model lacks (it "
+                f"has {self.group_ids}) or not a count; pass {{group_id: tokens >= 0}} this rank holds already"
+            )
+        out = {}
+        for g in self.group_ids:
+            per_block = self.spec.group(g).tokens_per_block
+            out[g] = min(local_tokens.get(g, 0), num_tokens) // per_block * per_block
+        return out
+
     def pool_size(self, group_id: int) -> int:
         """Blocks of group ``group_id`` in this rank's cache (the fewest of its layers)."""
         sizes = [r.num_blocks for layer in self.spec.layers if layer.group_id == group_id

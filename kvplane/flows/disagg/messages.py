@@ -5,7 +5,8 @@ Every message is a tagged struct; ``decode`` rejects anything oversized, malform
 
 - decode -> prefill: ``Handshake`` (the reply is the prefill's own ``Handshake`` or a ``Reject``), ``Heartbeat``
   (renews leases), ``ReadDone`` (a pull finished reading: the blocks may go), ``PushRegister`` (destination
-  blocks for a push), ``Cancel`` (the decode gave up on a push).
+  blocks for a push, and where the push starts when the decode holds the first tokens), ``Cancel`` (the decode
+  gave up on a push).
 - prefill -> decode: ``PushResult`` (a push to this decode rank ended), ``Problem`` (a request message the
   prefill could not act on, e.g. one addressed to a previous boot of it).
 
@@ -99,6 +100,8 @@ class PushRegister(msgspec.Struct, tag="push_register", frozen=True):
     staging_bytes: Count
     expect_boot: Name
     token: Token = ""
+    # per group: the first token to write (a block boundary of both sides); the decode holds those before it
+    first_tokens: Annotated[dict[GroupId, Count], Meta(max_length=MAX_GROUPS)] = {}
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):

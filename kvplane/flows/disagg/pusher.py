@@ -4,7 +4,8 @@ Each request's ``HeldRequest`` machine decides what to write where (its ``Prepar
 ``PrefillSide`` carries them out through a ``Pusher`` (on the I/O loop), which plans the writes for one
 ``Target`` and hands them to the transfer thread (``Mover``), calling back once each write ended. Planning
 only ever writes into the blocks and staging area the decode rank registered, and the transport checks every
-remote address against the memory that rank registered before anything moves.
+remote address against the memory that rank registered before anything moves. A registration whose
+``first_tokens`` skip the blocks the decode holds already is written from there on (``routes.after_first``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Pusher:
         dst_ids = {int(g): np.asarray(v, dtype=np.int64) for g, v in reg.block_ids.items()}
         staging = (reg.staging_addr + offset, reg.staging_bytes - offset) if reg.staging_addr else None
         return route_plan(self.local.manifest, target.peer.manifest, src_ids, dst_ids, reg.num_tokens, list(layers),
-                          staging)
+                          staging, reg.first_tokens)
 
     def prepare(self, src_ids: dict[int, Ids], target: Target) -> str:
         """Per-layer WRITE plans for one decode rank, each sent as its layer is saved; staged layers land at

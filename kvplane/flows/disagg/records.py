@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import zmq
 
-from kvplane.blocks.groups import Ids
+from kvplane.blocks.groups import HOLE, Ids
 from kvplane.descriptors import CopyPlan
 from kvplane.flows.disagg.decode_request import DecodeRequest
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord
 from kvplane.flows.disagg.staging_chunks import Chunk
+from kvplane.kv.spec import KVSpec
 from kvplane.plan.planner import TransferPlan
 
 
@@ -80,6 +82,18 @@ class Want:
     conns: list[Conn] = field(default_factory=list)
     staged: list[tuple[int, int, TransferPlan]] = field(default_factory=list)  # (offset, bytes, plan)
     planned: PullPlan | PushPlan | None = None  # while it waits for staging room
+    local_tokens: dict[int, int] = field(default_factory=dict)  # per group: the first tokens this rank holds
+    first: dict[int, int] = field(default_factory=dict)  # per group: the first token moved (the Starter sets it)
+
+    def split(self, spec: KVSpec) -> tuple[dict[int, tuple[int, ...]], int]:
+        """The blocks from ``first`` on, which a failed transfer leaves without the request's KV, per group; and
+        how many real blocks (not holes) before it the transfer left out, as this rank held their KV already."""
+        failed, skipped = {}, 0
+        for g, ids in self.block_ids.items():
+            cut = self.first[g] // spec.group(g).tokens_per_block if self.first.get(g) else 0
+            failed[g] = tuple(int(b) for b in ids[cut:])
+            skipped += int((np.asarray(ids[:cut]) != HOLE).sum())
+        return failed, skipped
 
 
 @dataclass

@@ -3,7 +3,8 @@
 A ``Completion`` is reported once per request, when kvplane no longer touches its blocks: the engine may free
 (prefill) or use (decode, ``done`` only) them then. ``failed_block_ids`` lists, per KV-cache group, the local
 blocks whose bytes cannot be trusted, so an engine applies its policy (fail the request, or recompute them).
-A partial transfer is never ``done``.
+A partial transfer is never ``done``. ``skipped_blocks`` (decode): the request's blocks the transfer left out
+because this rank held their KV already (``local_tokens``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class Completion(msgspec.Struct, frozen=True):
     state: State
     failed_block_ids: dict[int, tuple[int, ...]] = {}
     reason: str = ""
+    skipped_blocks: int = 0
 
     @property
     def ok(self) -> bool:

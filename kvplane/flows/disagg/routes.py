@@ -4,14 +4,22 @@ Both sides compute the same routes from the same inputs (manifests, TP sizes, th
 prefill rank pushing to a decode rank writes exactly what that decode rank would have read, and both agree on
 where staged layers land. GQA heads split over TP ranks; MLA and indexer caches are replicated, so they come
 from one prefill rank, chosen per request (``plan.heads.replica_rank``).
+
+A decode rank that holds a request's first tokens already (its engine's prefix cache) receives only the rest:
+``first_tokens`` rounds what it holds down to a block boundary of both sides, and the plan moves the remote blocks
+from there into the matching local blocks, as if the request began there (so staged layers land alike on both).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from kvplane.blocks.groups import Ids
+from kvplane.errors import PlanError
 from kvplane.kv.manifest import Manifest
 from kvplane.plan.heads import replica_rank, source_ranks
 from kvplane.plan.planner import REPLICATED_FAMILIES, TransferPlan, plan_transfer, staging_bytes_needed
@@ -54,6 +62,37 @@ def _layer_sources(dst: Manifest, src_tp: int) -> LayerSources:
     return sources
 
 
+def first_tokens(srcs: Sequence[Manifest], dst: Manifest, local_tokens: Mapping[int, int], num_tokens: int
+                 ) -> dict[int, int]:
+    """Per KV-cache group of ``dst`` the first token a transfer moves: the ``local_tokens`` the destination holds
+    already (none where a group is not named), rounded down to a block boundary of every side in ``srcs`` and of
+    ``dst`` (whole blocks pair up from there on both), at most ``num_tokens``."""
+    out = {}
+    for g in dst.spec.groups:
+        held = min(max(int(local_tokens.get(g.group_id, 0)), 0), num_tokens)
+        unit = math.lcm(g.tokens_per_block, *(s.spec.group(g.group_id).tokens_per_block for s in srcs))
+        out[g.group_id] = held // unit * unit
+    return out
+
+
+def after_first(src: Manifest, dst: Manifest, src_ids: Mapping[int, Ids], dst_ids: Mapping[int, Ids],
+                num_tokens: int, first: Mapping[int, int] | None) -> tuple[dict[int, Ids], dict[int, Ids], dict[int, int]]:
+    """The request from token ``first[g]`` of each group on: both block tables without the blocks before it, and
+    the tokens left. ``PlanError`` where ``first`` is not a block boundary of both sides (a peer's word)."""
+    srcs, dsts, tokens = dict(src_ids), dict(dst_ids), tokens_by_group(dst, num_tokens)
+    for g, start in (first or {}).items():
+        if not start or g not in tokens or g not in src_ids or g not in dst_ids:
+            continue  # a group missing on a side: the planner names it
+        src_block, dst_block = src.spec.group(g).tokens_per_block, dst.spec.group(g).tokens_per_block
+        if start % src_block or start % dst_block or not 0 < start <= num_tokens:
+            raise PlanError(f"group {g}: a transfer of {num_tokens} tokens cannot start at token {start}: it must "
+                            f"be a multiple of both block sizes ({src_block}, {dst_block}) and at most the tokens")
+        srcs[g] = np.asarray(src_ids[g], dtype=np.int64)[start // src_block :]
+        dsts[g] = np.asarray(dst_ids[g], dtype=np.int64)[start // dst_block :]
+        tokens[g] = num_tokens - start
+    return srcs, dsts, tokens
+
+
 def tokens_by_group(manifest: Manifest, num_tokens: int) -> dict[int, int]:
     return {g.group_id: num_tokens for g in manifest.spec.groups}
 
@@ -65,8 +104,11 @@ def staging_needed(
     dst_ids: Mapping[int, Ids],
     num_tokens: int,
     layers: Sequence[str],
+    first: Mapping[int, int] | None = None,
 ) -> int:
-    return staging_bytes_needed(src, dst, src_ids, dst_ids, tokens_by_group(dst, num_tokens), layers=layers)
+    """Staging bytes ``route_plan`` will take for the same arguments."""
+    srcs, dsts, tokens = after_first(src, dst, src_ids, dst_ids, num_tokens, first)
+    return staging_bytes_needed(src, dst, srcs, dsts, tokens, layers=layers)
 
 
 def route_plan(
@@ -77,8 +119,9 @@ def route_plan(
     num_tokens: int,
     layers: Sequence[str],
     staging: tuple[int, int] | None,
+    first: Mapping[int, int] | None = None,
 ) -> TransferPlan:
-    """The plan moving ``layers`` of one request from ``src``'s rank into ``dst``'s rank (or its staging)."""
-    return plan_transfer(
-        src, dst, src_ids, dst_ids, tokens_by_group(dst, num_tokens), layers=layers, staging=staging
-    )
+    """The plan moving ``layers`` of one request from ``src``'s rank into ``dst``'s rank (or its staging), from
+    token ``first[g]`` of each group on (``first_tokens``; from the start where None)."""
+    srcs, dsts, tokens = after_first(src, dst, src_ids, dst_ids, num_tokens, first)
+    return plan_transfer(src, dst, srcs, dsts, tokens, layers=layers, staging=staging)

@@ -28,13 +28,16 @@ class BlockJob:
 
 @dataclass
 class Receive:
-    """Decode: pull (or register for a push of) the KV the prefill named in ``params`` into ``block_ids``."""
+    """Decode: pull (or register for a push of) the KV the prefill named in ``params`` into ``block_ids`` (every
+    block of the prompt's ``num_tokens``), but for the first ``local_tokens[g]`` tokens of each group (whole
+    blocks), which vLLM's prefix cache on this instance holds already."""
 
     request_id: str
     params: dict[str, Any]
     block_ids: Groups
     num_tokens: int
     refused: str = ""  # why these params cannot be this request's: the worker fails the receive and declines them
+    local_tokens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

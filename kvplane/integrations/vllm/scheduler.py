@@ -57,7 +57,7 @@ class SchedulerSide:
         self._requests: dict[str, Any] = {}
         self._block_ids: dict[str, Groups] = {}
         self._stored: dict[str, dict[int, int]] = {}  # blocks per group already handed to a store
-        self._matched: dict[str, int] = {}  # local prefix tokens seen by the last lookup
+        self._matched: dict[str, int] = {}  # tokens vLLM's prefix cache held at the last lookup or remote count
         self._int_hashes: dict[tuple[str, int], list[int]] = {}
         self._layerwise_started: set[str] = set()
         self._held: set[str] = set()  # a lookup promised blocks the worker holds, and no load was queued yet
@@ -127,7 +127,8 @@ class SchedulerSide:
 
     # -- vLLM scheduler calls -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._remote_prefill(request):
+        if self._remote_prefill(request):  # vLLM's prefix cache here holds num_computed_tokens: receive the rest
+            self._matched[request.request_id] = num_computed_tokens
             count = self._remote_tokens(request) - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         if self.lookup is None:
@@ -157,14 +158,16 @@ class SchedulerSide:
         if self._remote_prefill(request):
             params = request.kv_transfer_params
             params["do_remote_prefill"] = False  # asked once: a second allocation after the load adds blocks only
+            local = self._matched.pop(rid, 0)  # tokens vLLM's prefix cache held: their blocks are not received
             if num_external_tokens > 0:  # vLLM now waits for this receive: it must end, even if it cannot start
                 num_tokens = self._remote_tokens(request)
                 if not ids:
                     params = {}  # the worker fails a receive without params; vLLM's policy takes it from there
                     ids = {g: list(v) for g, v in enumerate(raw) if g in self.block_sizes}
                 refused = self._refusal(request) if params else ""
+                held = {g: min(local, num_tokens) // bs * bs for g, bs in self.block_sizes.items()}
                 self._meta.receives.append(Receive(rid, dict(params), self._blocks_for(ids, num_tokens), num_tokens,
-                                                   refused))
+                                                   refused, held))
                 self._receiving.add(rid)
             return
         loads = num_external_tokens > 0 and self.lookup is not None and bool(ids)

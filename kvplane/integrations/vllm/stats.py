@@ -1,9 +1,11 @@
 """The connector's stats through vLLM's own path: ``KVPlaneStats`` (a ``KVConnectorStats``) and
 ``KVPlanePromMetrics`` (a ``KVConnectorPromMetrics``, from ``KVPlaneConnector.build_prom_metrics``).
 
-Each step the worker-side connector hands vLLM a ``KVPlaneStats`` holding a ``kvplane.metrics`` payload: the six
+Each step the worker-side connector hands vLLM a ``KVPlaneStats`` holding a ``kvplane.metrics`` payload: the
 connector events it counts, and what the process's ``Recorder`` took (transfers, failures, leases, offload
-lookups, gauges); ``WorkerStats`` returns None when nothing changed. vLLM adds the workers' payloads
+lookups, gauges); ``WorkerStats`` returns None when nothing changed. ``receive_skipped_blocks`` counts the decode
+blocks a receive left out because vLLM's prefix cache held their KV (``EVENTS``: fed to
+``vllm:kvplane_connector_events_total{event="receive_skipped_blocks"}`` here). vLLM adds the workers' payloads
 (``KVOutputAggregator`` -> ``aggregate``), carries ``.data`` to its loggers, rebuilds it with
 ``build_kv_connector_stats``, logs ``reduce()`` every interval (``KVConnectorLogging``) and hands every step's
 payload to ``KVPlanePromMetrics.observe`` (``KVConnectorProm``), which feeds metrics named ``vllm:kvplane_*``
@@ -18,10 +20,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvplane.metrics import payload, recorder
+from kvplane.metrics import names, payload, recorder
 from kvplane.metrics.prom import PromMetrics
 
 PREFIX = "vllm:kvplane_"
+# decode blocks a receive left out because vLLM's prefix cache held their KV (TP rank 0 counts for the instance)
+EVENTS = ("receive_skipped_blocks",)
 
 
 @dataclass
@@ -72,4 +76,9 @@ class KVPlanePromMetrics(KVConnectorPromMetrics):
         self.kvplane = PromMetrics(metric_types, PREFIX, labelnames)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        self.kvplane.observe(transfer_stats_data, self.per_engine_labelvalues[engine_idx])
+        labels = self.per_engine_labelvalues[engine_idx]
+        self.kvplane.observe(transfer_stats_data, labels)
+        events = self.kvplane.metrics[names.CONNECTOR_EVENTS.name]
+        for event in EVENTS:  # the connector's events PromMetrics does not feed (prom.LEGACY_EVENTS)
+            if transfer_stats_data.get(event):
+                events.labels(*(str(v) for v in labels), event).inc(transfer_stats_data[event])

@@ -23,13 +23,15 @@ from kvplane.integrations.vllm.device import select_backend
 from kvplane.integrations.vllm.holds import LookupHolds
 from kvplane.integrations.vllm.layouts import backend_name, cross_layer_logical, layout_for_backend
 from kvplane.integrations.vllm.lookup import LookupServer, lookup_address
-from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Receive, Send
+from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Send
+from kvplane.integrations.vllm.receives import decline, finished_receives, skipping_groups, start_receives
 from kvplane.integrations.vllm.spec import layouts_for, spec_from_vllm
 from kvplane.kv.binding import LayoutChoice, check_whole_allocations, matching_layouts, regions_from_tensors
 from kvplane.kv.layouts import LayerValue, Layout
 from kvplane.kv.spec import KVSpec
 
 logger = logging.getLogger("kvplane.vllm")
+EVENTS = ("loads", "stores", "receives", "sends", "failed_receives", "load_error_blocks", "receive_skipped_blocks")
 
 
 class WorkerSide:
@@ -61,8 +63,8 @@ class WorkerSide:
         self._pushing_layers = False  # this step's forward completes a layer-wise request's prompt
         self._step: KVPlaneMetadata | None = None  # bound for the step now running
         self._saves_started = False
-        self.counters = {"loads": 0, "stores": 0, "receives": 0, "sends": 0, "failed_receives": 0,
-                         "load_error_blocks": 0}
+        self._skipping = skipping_groups(kv_cache_config)  # groups whose prefix-cache hits a receive leaves out
+        self.counters = dict.fromkeys(EVENTS, 0)
 
     # -- setup --------------------------------------------------------------------------------------------
     def register_kv_caches(
@@ -199,10 +201,12 @@ class WorkerSide:
             with self._lock:
                 self._load(self.offload, meta, in_store)
         self._start_saves(meta)  # after the loads: a store must not take host blocks a load of this step reads
-        for receive in meta.receives:
-            self._receive(receive)
+        started, failed = start_receives(self.decode, meta.receives, self.config.mode, self._skipping)
+        self._failed_receives += failed  # reported with the next completions, by vLLM's policy
+        self._receiving.update(started)
+        self.counters["receives"] += len(started)
         for params in meta.declines:
-            self._decline(params)
+            decline(self.decode, params)
         if self.prefill is not None:
             for send in meta.sends:
                 if self._hand_over(send, finished=True):
@@ -267,38 +271,6 @@ class WorkerSide:
             except KvplaneError as e:
                 logger.warning("kvplane: store of request %s skipped: %s", job.request_id, e)
 
-    def _receive(self, r: Receive) -> None:
-        if self.decode is None:
-            raise KvplaneError(
-                f"request {r.request_id!r} asks to receive KV but this instance has no decode side; set kv_role "
-                f"to kv_consumer or kv_both and give kv_connector_extra_config a 'disagg' section"
-            )
-        mode = r.params.get("kvplane_mode", self.config.mode)
-        try:
-            if r.refused:  # params of another request: fail it by vLLM's policy, and let the prefill free now
-                self._decline(r.params)
-                raise KvplaneError(r.refused)
-            if mode == "pull":
-                self.decode.start_pull(r.request_id, r.params, r.block_ids, r.num_tokens)
-            else:
-                self.decode.register_push(r.request_id, r.params, r.block_ids, r.num_tokens)
-            self.counters["receives"] += 1
-            self._receiving.add(r.request_id)
-        except KvplaneError as e:  # malformed params: the request recomputes (or fails) by vLLM's policy
-            logger.warning("kvplane: request %s cannot receive KV: %s", r.request_id, e)
-            failed = {g: tuple(ids) for g, ids in r.block_ids.items()}
-            self._failed_receives.append(Completion(r.request_id, "failed", failed, str(e)))
-
-    def _decline(self, params: dict[str, Any]) -> None:
-        """A receive vLLM dropped before starting it (the client went away): the prefill frees its blocks now."""
-        if self.decode is None:
-            return
-        try:
-            self.decode.decline(params)
-        except KvplaneError as e:  # params that name no request: the prefill frees it at its lease's end
-            logger.warning("kvplane: could not decline the receive of prefill request %r: %s",
-                           params.get("remote_request_id"), e)
-
     def _abort(self, rid: str) -> None:
         if self.offload is not None:
             with self._lock:
@@ -357,12 +329,9 @@ class WorkerSide:
                     continue
                 sending.add(self._by_transfer_id.pop(c.request_id))
         if self.decode is not None:
-            for c in self.decode.get_finished():
-                if c.request_id not in self._receiving:
-                    logger.warning("kvplane: request %s is not being received here (unknown, or reported "
-                                   "already): its completion is dropped", c.request_id)
-                    continue
-                completions.append(c)
+            received = finished_receives(self.decode, self._receiving)  # skipped blocks: the instance's (rank 0)
+            self.counters["receive_skipped_blocks"] += 0 if self.tp_rank else sum(c.skipped_blocks for c in received)
+            completions += received
         for c in completions:
             self._receiving.discard(c.request_id)
             if c.request_id in self._aborted_receives:
