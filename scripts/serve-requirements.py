@@ -10,7 +10,10 @@ this list: every requirement of the distribution whose marker holds here, except
 import sys
 from importlib.metadata import requires
 
-from packaging.requirements import Requirement
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a bare venv: pip carries its own copy
+    from pip._vendor.packaging.requirements import Requirement
 
 SKIP = {"torchvision", "torchaudio", "torchcodec"}
 
