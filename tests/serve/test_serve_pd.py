@@ -29,6 +29,8 @@ if FULL:
     PAIRS += [("push", "mooncake"), ("pull", "nixl"), ("push", "nixl"), ("layerwise", "mooncake")]
 MAX_TOKENS = 16
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # layers x (k, v) x KV heads x head_dim x float32 (serve_model.py)
+BLOCK_TOKENS = 128  # vLLM's block size on CPU
+SKIPPED = 'vllm:kvplane_connector_events_total{event="receive_skipped_blocks"}'
 
 
 def free_port() -> int:
@@ -114,13 +116,16 @@ def test_outputs_equal_one_instance_and_the_kv_moved(pair: Pair) -> None:
     moved = {**delta(after_d, before_d, "vllm:kvplane_transfer_bytes_sum"),
              **{"prefill " + k: v for k, v in delta(after_p, before_p, "vllm:kvplane_transfer_bytes_sum").items()}}
     prompt_tokens = after_d["vllm:prompt_tokens_total"] - before_d["vllm:prompt_tokens_total"]
+    skipped = delta(after_d, before_d, SKIPPED).get(SKIPPED, 0.0)
     print(f"\n{pair.mode}/{pair.engine}: {equal}/{len(texts)} equal; decode prompt tokens {prompt_tokens}, "
-          f"by source {by_source}; kvplane bytes {moved}")
+          f"by source {by_source}; kvplane bytes {moved}; blocks the decode held and did not move {skipped}")
     assert got == want
     local = by_source.get('vllm:prompt_tokens_by_source_total{source="local_compute"}', 0.0)
     external = by_source.get('vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}', 0.0)
     assert local <= len(texts), f"the decode computed {local} prompt tokens itself: {by_source}"
     assert external > 0 and sum(moved.values()) >= external * KV_BYTES_PER_TOKEN, (by_source, moved)
+    hit = by_source.get('vllm:prompt_tokens_by_source_total{source="local_cache_hit"}', 0.0)
+    assert hit > 0 and skipped * BLOCK_TOKENS == hit, f"{hit} tokens held by the decode, {skipped} blocks not moved"
 
 
 def test_malformed_requests_leave_the_proxy_up(pair: Pair) -> None:
