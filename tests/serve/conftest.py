@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from serve_model import make_model
 from servers import SERVE_PY
+
+from kvplane.bench.serve.model import make_model
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 from nslink import Link, unavailable
-from serve_model import prompts
-from servers import Server, doc_command, expand, start_all, vllm_argv
-from test_serve_pd import MAX_TOKENS, free_port
+from servers import doc_command, expand, vllm_argv
+from test_serve_pd import MAX_TOKENS
+
+from kvplane.bench.serve.model import prompts
+from kvplane.bench.serve.procs import Server, free_port, start_all
 
 pytestmark = pytest.mark.integration
 DOC_HOSTS = ("10.0.0.7", "10.0.0.8")
@@ -89,7 +91,7 @@ def hosts(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hos
 
 
 def test_pd_across_two_hosts_with_curve_as_the_docs_say(hosts: Hosts) -> None:
-    from servers import post
+    from kvplane.bench.serve.procs import post
 
     texts = prompts()[:4]
     got, want = [], []

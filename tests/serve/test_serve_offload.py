@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serve_model import prompts
-from servers import Server, delta, kv_config, metrics, post, start_all, vllm_argv
-from test_serve_pd import MAX_TOKENS, free_port
+from servers import vllm_argv
+from test_serve_pd import MAX_TOKENS
 
+from kvplane.bench.serve.model import prompts
+from kvplane.bench.serve.procs import Server, delta, free_port, kv_config, metrics, post, start_all
 from kvplane.flows.offload import MooncakeMaster, start_master
 
 pytestmark = pytest.mark.integration

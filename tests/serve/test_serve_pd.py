@@ -12,7 +12,6 @@ engines. The plain reference is the prefill instance itself, asked without `kv_t
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,23 +19,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from serve_model import prompts
-from servers import FULL, PROXY, Server, delta, kv_config, metrics, post, start_all, status, vllm_argv
+from servers import FULL, vllm_argv
+
+from kvplane.bench.serve.model import prompts
+from kvplane.bench.serve.procs import (
+    PROXY,
+    Server,
+    delta,
+    free_port,
+    kv_config,
+    metrics,
+    post,
+    start_all,
+    status,
+)
 
 pytestmark = pytest.mark.integration
 PAIRS = [("pull", "mooncake"), ("layerwise", "nixl")]
 if FULL:
     PAIRS += [("push", "mooncake"), ("pull", "nixl"), ("push", "nixl"), ("layerwise", "mooncake")]
 MAX_TOKENS = 16
-KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # layers x (k, v) x KV heads x head_dim x float32 (serve_model.py)
+KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # layers x (k, v) x KV heads x head_dim x float32 (kvplane.bench.serve.model)
 BLOCK_TOKENS = 128  # vLLM's block size on CPU
 SKIPPED = 'vllm:kvplane_connector_events_total{event="receive_skipped_blocks"}'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

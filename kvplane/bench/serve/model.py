@@ -1,4 +1,5 @@
-"""Tiny models made on the spot for live `vllm serve` tests: never downloaded.
+"""Tiny models made on the spot for live `vllm serve` runs (tests/serve and the bench's serve rows): never
+downloaded.
 
 `make_model(path, family)` writes a Hugging Face model directory: `config.json`, random weights saved as
 safetensors from a fixed seed, and a byte-level BPE tokenizer trained locally with `tokenizers` on a fixed,
@@ -10,7 +11,7 @@ output projection is scaled up (0.5) for clearer winners, and the model is float
 between a P/D pair and one instance, because the two compute the prompt in different pieces (prefix-cache hits on
 one side, a full prefill on the other). In float32 the pieces agree, so token-equality tests the KV bytes.
 
-Run as a script to make one by hand: `python tests/serve/serve_model.py DIR [gqa|hybrid]`.
+Run as a module to make one by hand: `python -m kvplane.bench.serve.model DIR [gqa|hybrid]`.
 """
 
 from __future__ import annotations
