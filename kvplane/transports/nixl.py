@@ -35,7 +35,6 @@ from typing import Any
 from kvplane.backend.base import Backend
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import PeerUnreachable, TransferTimeout, TransportError, TransportUnavailable
-from kvplane.hosts import is_loopback
 from kvplane.logs import quiet_engine_logs
 from kvplane.transports.base import Op, PeerInfo, Transfer, Transport, TransportConfig, local_remote
 from kvplane.transports.batching import (
@@ -45,6 +44,7 @@ from kvplane.transports.batching import (
     descriptor_table,
 )
 from kvplane.transports.chunked import Job
+from kvplane.transports.nixl_devices import net_devices_env
 from kvplane.transports.nixl_prep import Prepper, PrepStats
 from kvplane.transports.nixl_progress import progress_delay_us, start_agent
 from kvplane.transports.nixl_transfer import NixlTransfer
@@ -52,7 +52,6 @@ from kvplane.transports.restarts import RestartBackoff
 
 MODULES = ("nixl_cu12", "nixl_cu13")
 INSTALL_HINT = "pip install nixl-cu12 (or nixl-cu13 on CUDA 13 machines)"
-LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}  # same-host peers: UCX on lo moves data by cma (single copy)
 RAW_WAIT_S = 120.0  # raw_move's bound on one request (the bench's baseline)
 RESTART_WAIT_S = 2.0  # how long connect() waits for an agent that is starting again after a reset
 logger = logging.getLogger("kvplane.transports")
@@ -144,8 +143,9 @@ class NixlTransport(Transport):
         self._prep.enabled = on
 
     def _start_agent(self) -> Any:
-        # UCX reads its environment once, when the backend starts: the device's defaults, and lo for same-host peers
-        defaults = {**self.backend.nixl_env_defaults, **(LOOPBACK_ENV if is_loopback(self.config.host) else {})}
+        # UCX reads its environment once, when the backend starts: the device's defaults, and the network devices
+        # that keep its listeners on host (lo for same-host peers; nixl_devices)
+        defaults = {**self.backend.nixl_env_defaults, **net_devices_env(self.config.host)}
         added = [k for k in defaults if k not in os.environ]
         os.environ.update({k: defaults[k] for k in added})
         try:
