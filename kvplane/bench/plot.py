@@ -35,6 +35,7 @@ TITLES = {
     "timed": "kvplane's own time (ms): offload with copies stubbed (hatched: the copy it manages),\n"
              "plans (hatched: bare numpy arithmetic), get_finished p99 during a transfer (hatched: idle)",
     "sweep": "block copy plans by block size (GB/s)",
+    "serve": "live vLLM servers: TTFT (ms), P/D (hatched: one plain instance), host-tier hit (hatched: miss)",
 }
 
 
@@ -134,6 +135,9 @@ def plot(results: list[BenchResult], path: str, title: str) -> bool:
     timed = [r for r in results if r.kind in TIMED_KINDS]
     if timed:
         panels.append(("timed", timed))
+    serve = [r for r in results if r.kind == "serve"]
+    if serve:
+        panels.append(("serve", serve))
     if sweep:
         panels.append(("sweep", sweep))
     widest = max(len(rows) for _, rows in panels)
@@ -149,7 +153,7 @@ def plot(results: list[BenchResult], path: str, title: str) -> bool:
         if kind == "sweep":
             _sweep(ax, rows)
         else:
-            _bars(ax, rows, timed=kind == "timed", kinds=kind == "timed")
+            _bars(ax, rows, timed=kind in ("timed", "serve"), kinds=kind == "timed")
         ax.set_title(TITLES.get(kind, kind), fontsize=10, loc="left")
     if ratio_rows:
         _ratios(fig.add_subplot(grid[:, 1]), ratio_rows)

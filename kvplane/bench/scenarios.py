@@ -9,8 +9,11 @@ tokens and the push modes.
 model. ``full()`` is ``--full``: the default rows at full size plus the sweeps (block sizes, raw transports,
 block-id patterns, big store and plan sizes) and the engine-call latency rows (``get_finished`` while 2 GiB
 move, per engine: six 2 GiB pulls each, 3 min 46 s for both on a loaded machine: more than the
-default run can spare). Scenario modules only offer factories; nothing registers on
-import.
+default run can spare), then the live-serving rows (kind ``serve``, ``kvplane.bench.serve.rows``: P/D per mode
+and engine against one plain vLLM instance, and the host-tier hit against a miss, in real ``vllm serve``
+processes; server starts are reported apart from the figures). The serve rows are listed only where a serving
+Python is found (``$KVPLANE_SERVE_PYTHON``, else the checkout's ``.venv-serve``), as the store rows are only where
+Mooncake Store imports. Scenario modules only offer factories; nothing registers on import.
 
 Layouts: every factory takes ``layouts`` (default: the backend's own) and a name ``variant``. To measure
 another layout beside the default one (cross-layer blocks), add an entry to ``LAYOUT_VARIANTS``: its rows are
@@ -32,6 +35,7 @@ from kvplane.bench import (
 )
 from kvplane.bench.block_ids import Pattern
 from kvplane.bench.scenario import Scenario
+from kvplane.bench.serve import rows as serve
 from kvplane.errors import KvplaneError
 
 MODELS = ("qwen3-0.6b", "deepseek-v3")
@@ -109,6 +113,8 @@ def full() -> list[Scenario]:
     rows = _rows(None, "", full=True) + _sweeps(None, "")
     for suffix, layouts in LAYOUT_VARIANTS:
         rows += _rows(layouts, suffix, full=True) + _sweeps(layouts, suffix)
+    if serve.available():  # live vLLM servers, last: their starts cost minutes
+        rows += serve.scenarios()
     return rows
 
 

@@ -12,7 +12,7 @@ import textwrap
 from kvplane.bench.results import BenchResult
 
 WIDTH = 100
-KINDS = ("offload", "overhead", "pd", "store", "plan", "calls")
+KINDS = ("offload", "overhead", "pd", "store", "plan", "calls", "serve")
 TITLES = {
     "offload": "offload: one request through OffloadEngine; baseline contiguous copy_ of the same bytes",
     "overhead": "overhead: the same requests with copies stubbed out (kvplane's own work; goal < 1 ms CPU)",
@@ -20,6 +20,7 @@ TITLES = {
     "store": "store: Mooncake Store tier put/get; baseline raw batch_put_from / batch_get_into",
     "plan": "plan: plan_transfer in ms; baseline bare numpy descriptor arithmetic",
     "calls": "calls: get_finished p99 per rep while a transfer is in flight; baseline the same call idle",
+    "serve": "serve: TTFT in live vLLM servers; P/D vs one plain instance, host-tier hit vs miss",
 }
 SHORT = {"qwen3-0.6b": "qwen3", "deepseek-v3": "dsv3"}
 ROW = 29
@@ -31,7 +32,7 @@ def label(r: BenchResult) -> str:
     """A short row name: model, transport, mode and pattern, as far as they apply."""
     p = r.params
     parts = [SHORT.get(str(p.get("model", "")), str(p.get("model", "")))]
-    if r.kind in ("pd", "calls"):
+    if r.kind in ("pd", "calls", "serve"):
         parts.append(r.transport)  # the flow's rows say pull/push/layerwise, the transport's alone read/write
     for key in ("direction", "mode", "op"):
         if key in p:
@@ -60,7 +61,7 @@ def _ratio(x: float) -> str:
 
 def _row(r: BenchResult) -> str:
     sp = r.spread
-    timed_only = r.kind in ("plan", "overhead", "calls")
+    timed_only = r.kind in ("plan", "overhead", "calls", "serve")
     gbps = "-" if timed_only else f"{r.gbps:.2f}"
     base_gbps = "-" if timed_only else f"{r.baseline_gbps:.2f}"
     ok = "n/a" if r.kind == "overhead" else "yes" if r.verified else "NO"
