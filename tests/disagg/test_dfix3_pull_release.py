@@ -88,7 +88,7 @@ def test_a_reject_answering_a_timed_out_handshake_does_not_fail_the_retry(tmp_pa
             until("b's handshake was never sent", lambda: state(decode) == "handshaking")
         finally:
             os.kill(worker.proc.pid, signal.SIGCONT)
-        done = decode.wait("b", within_s=30.0)
+        done = decode.wait("b", within_s=60.0)
         assert done.state == "done", done
         assert digest(SPEC, decode.cache, "packed_kv", {0: ids["b"]}, TOKENS) == \
             worker.ask(cmd="digest", table={0: [5, 6, 7]}, tokens=TOKENS)["digest"]
@@ -114,8 +114,10 @@ def test_an_answer_to_a_handshake_sent_before_this_ranks_reset_is_not_taken_for_
     answer is about a descriptor this rank no longer has, so the rank handshakes again with the new one and b is
     done. Before, b failed with the refusal (seen once in a full CI run, NIXL)."""
     worker, held = prefill_worker(tmp_path, engine, {"r1": [0, 1, 2], "r2": [5, 6, 7]})
-    # the resumed prefill must answer b's handshake within this: 1 s failed once on a loaded machine (issue 28)
-    decode = make("decode", SPEC, engine=engine, handshake_timeout_s=4.0, **LONG)
+    # the resumed prefill must answer b's handshake within this: 1 s and then 4 s failed on a loaded machine (issue
+    # 28; 4 s beside tests/serve's server starts), so the bound is far past the expected (well under 0.1 s) and the
+    # test waits it out once, for a
+    decode = make("decode", SPEC, engine=engine, handshake_timeout_s=15.0, **LONG)
     try:
         ids = {"a": decode.allocate(TOKENS), "b": decode.allocate(TOKENS)}
         side = decode.side
@@ -132,7 +134,7 @@ def test_an_answer_to_a_handshake_sent_before_this_ranks_reset_is_not_taken_for_
             side.start_pull("b", held["r2"], {0: ids["b"]})
         finally:
             os.kill(worker.proc.pid, signal.SIGCONT)
-        done = decode.wait("b", within_s=30.0)
+        done = decode.wait("b", within_s=60.0)
         assert done.state == "done", done
         assert digest(SPEC, decode.cache, "packed_kv", {0: ids["b"]}, TOKENS) == \
             worker.ask(cmd="digest", table={0: [5, 6, 7]}, tokens=TOKENS)["digest"]

