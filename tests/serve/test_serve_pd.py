@@ -200,10 +200,14 @@ def test_a_killed_prefill_fails_its_requests_clearly_and_a_restarted_one_serves(
     code, first_leg = complete(pair.prefill.url, texts[4], model=str(pair.model), max_tokens=1,
                                kv_transfer_params={"do_remote_decode": True})
     assert code == 200 and first_leg.get("kv_transfer_params"), first_leg
+    # fresh salts: neither side's prefix cache holds these prompts (the earlier tests sent them), so the KV must
+    # move and the kill finds requests in flight, not answers both caches could give without the prefill
     with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
         started = time.monotonic()
-        futures = [pool.submit(complete, pair.proxy.url, p, model=str(pair.model)) for p in texts]
-        time.sleep(0.2)
+        futures = [pool.submit(complete, pair.proxy.url, p, model=str(pair.model), cache_salt=uuid.uuid4().hex)
+                   for p in texts]
+        while sum(idle(pair.prefill.url)) == 0 and not all(f.done() for f in futures):
+            time.sleep(0.05)  # the kill comes once the prefill is working on them
         pair.prefill.kill()
         answers = [f.result() for f in futures]
     took = time.monotonic() - started
@@ -211,6 +215,7 @@ def test_a_killed_prefill_fails_its_requests_clearly_and_a_restarted_one_serves(
     print(f"\nprefill killed: answers {codes} in {took:.1f} s")
     for code, answer in answers:
         assert code == 200 or (code >= 500 and "error" in answer), (code, answer)
+    assert any(code >= 500 for code in codes), "the prefill died after every request had its KV"
     # the decode serves the next requests itself
     code, answer = complete(pair.decode.url, texts[0], model=str(pair.model))
     assert code == 200, answer
