@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from servers import FULL, vllm_argv
 from test_serve_pd import KV_BYTES_PER_TOKEN as GQA_KV_BYTES_PER_TOKEN
-from test_serve_pd import MAX_TOKENS, Pair, reference, start_pair, via_proxy
+from test_serve_pd import MAX_TOKENS, Pair, outputs_equal_and_kv_moved, start_pair
 
 from kvplane.bench.serve.model import make_model, prompts
 from kvplane.bench.serve.procs import PROXY, Server, delta, free_port, kv_config, metrics, post, start_all
@@ -56,7 +56,6 @@ TP_PD_TWO_CORES = (
     "prefill rank 1's side channel within 60 s"
 )
 FAMILIES = ["hybrid", pytest.param("mla", marks=pytest.mark.xfail(strict=True, reason=MLA_DIVERGES))]
-SOURCE = "vllm:prompt_tokens_by_source_total"
 # bytes of KV one prompt token takes in the layers every token keeps (float32): the hybrid's 2 full-attention
 # layers x (k, v) x 2 KV heads x head_dim 64; MLA's 4 layers x one 576-wide latent row (kv_lora_rank 512 + rope 64)
 KV_BYTES_PER_TOKEN = {"hybrid": 2 * 2 * 2 * 64 * 4, "mla": 4 * 576 * 4}
@@ -76,24 +75,7 @@ def family_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 def test_family_outputs_equal_one_instance_and_the_kv_moved(family_pair: Pair, request: pytest.FixtureRequest
                                                             ) -> None:
     family = request.node.callspec.params["family_pair"]
-    pair = family_pair
-    before_d, before_p = metrics(pair.decode.url), metrics(pair.prefill.url)
-    texts = prompts()
-    got = [via_proxy(pair, p) for p in texts]
-    after_d, after_p = metrics(pair.decode.url), metrics(pair.prefill.url)
-    want = [reference(pair, p) for p in texts]
-    equal = sum(g == w for g, w in zip(got, want))
-    by_source = delta(after_d, before_d, SOURCE)
-    moved = {**delta(after_d, before_d, "vllm:kvplane_transfer_bytes_sum"),
-             **{"prefill " + k: v for k, v in delta(after_p, before_p, "vllm:kvplane_transfer_bytes_sum").items()}}
-    prompt_tokens = after_d["vllm:prompt_tokens_total"] - before_d["vllm:prompt_tokens_total"]
-    print(f"\n{family} pull/mooncake: {equal}/{len(texts)} equal; decode prompt tokens {prompt_tokens}, "
-          f"by source {by_source}; kvplane bytes {moved}")
-    assert got == want
-    local = by_source.get(f'{SOURCE}{{source="local_compute"}}', 0.0)
-    external = by_source.get(f'{SOURCE}{{source="external_kv_transfer"}}', 0.0)
-    assert local <= len(texts), f"the decode computed {local} prompt tokens itself: {by_source}"
-    assert external > 0 and sum(moved.values()) >= external * KV_BYTES_PER_TOKEN[family], (by_source, moved)
+    outputs_equal_and_kv_moved(family_pair, f"{family} pull/mooncake", KV_BYTES_PER_TOKEN[family])
 
 
 def _port_pair() -> int:
@@ -167,22 +149,8 @@ def tp_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
 
 
 def test_prefill_tp2_to_decode_tp1_equals_one_instance(tp_pair: Pair) -> None:
-    pair = tp_pair
-    before_d, before_p = metrics(pair.decode.url), metrics(pair.prefill.url)
-    texts = prompts()
-    got = [via_proxy(pair, p) for p in texts]
-    after_d, after_p = metrics(pair.decode.url), metrics(pair.prefill.url)
-    want = [reference(pair, p) for p in texts]  # the TP-2 prefill asked plainly
-    equal = sum(g == w for g, w in zip(got, want))
-    by_source = delta(after_d, before_d, SOURCE)
-    moved = {**delta(after_d, before_d, "vllm:kvplane_transfer_bytes_sum"),
-             **{"prefill " + k: v for k, v in delta(after_p, before_p, "vllm:kvplane_transfer_bytes_sum").items()}}
-    print(f"\nprefill TP 2 / decode TP 1: {equal}/{len(texts)} equal; by source {by_source}; kvplane bytes {moved}")
-    assert got == want
-    local = by_source.get(f'{SOURCE}{{source="local_compute"}}', 0.0)
-    external = by_source.get(f'{SOURCE}{{source="external_kv_transfer"}}', 0.0)
-    assert local <= len(texts), f"the decode computed {local} prompt tokens itself: {by_source}"
-    assert external > 0 and sum(moved.values()) >= external * GQA_KV_BYTES_PER_TOKEN, (by_source, moved)
+    # the reference is the TP-2 prefill asked plainly
+    outputs_equal_and_kv_moved(tp_pair, "prefill TP 2 / decode TP 1", GQA_KV_BYTES_PER_TOKEN)
 
 
 @pytest.mark.xfail(strict=True, reason=MLA_RELOAD_DIVERGES)

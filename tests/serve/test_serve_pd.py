@@ -46,6 +46,7 @@ MAX_TOKENS = 16
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # layers x (k, v) x KV heads x head_dim x float32 (kvplane.bench.serve.model)
 BLOCK_TOKENS = 128  # vLLM's block size on CPU
 SKIPPED = 'vllm:kvplane_connector_events_total{event="receive_skipped_blocks"}'
+SOURCE = "vllm:prompt_tokens_by_source_total"
 USAGE, RUNNING, WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"
 LEASE_S = 45.0  # a prefill holds a request whose decode vanished this long (the default 30 s, widened for load)
 IDLE_DEADLINE_S = 600.0  # far past LEASE_S: only turns a leak into a failure
@@ -118,26 +119,34 @@ def via_proxy(pair: Pair, prompt: str) -> str:
     return answer.choices[0].text
 
 
-def test_outputs_equal_one_instance_and_the_kv_moved(pair: Pair) -> None:
+def outputs_equal_and_kv_moved(pair: Pair, label: str, kv_bytes_per_token: int) -> tuple[dict[str, float], float]:
+    """The 8 prompts through the proxy equal the prefill asked plainly, the decode computed no prompt token beyond
+    one per request, and kvplane moved the bytes of every token received; (the decode's prompt tokens by source,
+    blocks its own prefix cache held and kvplane did not move)."""
     before_d, before_p = metrics(pair.decode.url), metrics(pair.prefill.url)
     texts = prompts()
     got = [via_proxy(pair, p) for p in texts]
     after_d, after_p = metrics(pair.decode.url), metrics(pair.prefill.url)
     want = [reference(pair, p) for p in texts]
     equal = sum(g == w for g, w in zip(got, want))
-    by_source = delta(after_d, before_d, "vllm:prompt_tokens_by_source_total")
+    by_source = delta(after_d, before_d, SOURCE)
     moved = {**delta(after_d, before_d, "vllm:kvplane_transfer_bytes_sum"),
              **{"prefill " + k: v for k, v in delta(after_p, before_p, "vllm:kvplane_transfer_bytes_sum").items()}}
     prompt_tokens = after_d["vllm:prompt_tokens_total"] - before_d["vllm:prompt_tokens_total"]
     skipped = delta(after_d, before_d, SKIPPED).get(SKIPPED, 0.0)
-    print(f"\n{pair.mode}/{pair.engine}: {equal}/{len(texts)} equal; decode prompt tokens {prompt_tokens}, "
-          f"by source {by_source}; kvplane bytes {moved}; blocks the decode held and did not move {skipped}")
+    print(f"\n{label}: {equal}/{len(texts)} equal; decode prompt tokens {prompt_tokens}, by source {by_source}; "
+          f"kvplane bytes {moved}; blocks the decode held and did not move {skipped}")
     assert got == want
-    local = by_source.get('vllm:prompt_tokens_by_source_total{source="local_compute"}', 0.0)
-    external = by_source.get('vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}', 0.0)
+    local = by_source.get(f'{SOURCE}{{source="local_compute"}}', 0.0)
+    external = by_source.get(f'{SOURCE}{{source="external_kv_transfer"}}', 0.0)
     assert local <= len(texts), f"the decode computed {local} prompt tokens itself: {by_source}"
-    assert external > 0 and sum(moved.values()) >= external * KV_BYTES_PER_TOKEN, (by_source, moved)
-    hit = by_source.get('vllm:prompt_tokens_by_source_total{source="local_cache_hit"}', 0.0)
+    assert external > 0 and sum(moved.values()) >= external * kv_bytes_per_token, (by_source, moved)
+    return by_source, skipped
+
+
+def test_outputs_equal_one_instance_and_the_kv_moved(pair: Pair) -> None:
+    by_source, skipped = outputs_equal_and_kv_moved(pair, f"{pair.mode}/{pair.engine}", KV_BYTES_PER_TOKEN)
+    hit = by_source.get(f'{SOURCE}{{source="local_cache_hit"}}', 0.0)
     assert hit > 0 and skipped * BLOCK_TOKENS == hit, f"{hit} tokens held by the decode, {skipped} blocks not moved"
 
 

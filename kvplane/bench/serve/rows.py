@@ -40,7 +40,7 @@ from kvplane.bench.scenario import Scenario
 from kvplane.bench.serve import client
 from kvplane.bench.serve.command import serve_python, vllm_argv
 from kvplane.bench.serve.model import prompts
-from kvplane.bench.serve.procs import PROXY, Server, free_port, kv_config, metrics, start_all
+from kvplane.bench.serve.procs import PROXY, Server, delta, free_port, kv_config, metrics, start_all
 from kvplane.bench.timing import Samples
 from kvplane.errors import KvplaneError
 
@@ -179,6 +179,37 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 1)
 
 
+@dataclass
+class _Rounds:
+    """Interleaved reps: kvplane's side (``ours``) then the baseline, prompt by prompt, round after round."""
+
+    ttft: Samples = field(default_factory=Samples)
+    e2e_ours: list[float] = field(default_factory=list)
+    e2e_base: list[float] = field(default_factory=list)
+    equal: int = 0  # reps whose two answers were the same text
+    tokens: list[int] = field(default_factory=list)  # each rep's prompt tokens (vLLM's usage)
+
+
+def _rounds(texts: list[str], rounds: int, one: Callable[[str], tuple[client.Streamed, client.Streamed]]
+            ) -> _Rounds:
+    r = _Rounds()
+    for _ in range(rounds):
+        for prompt in texts:
+            ours, base = one(prompt)
+            r.ttft.ours.append(ours.ttft_s)
+            r.ttft.baseline.append(base.ttft_s)
+            r.e2e_ours.append(ours.e2e_s)
+            r.e2e_base.append(base.e2e_s)
+            r.equal += ours.text == base.text
+            r.tokens.append(base.prompt_tokens)
+    return r
+
+
+def _by_label(after: dict[str, float], before: dict[str, float], family: str) -> dict[str, float]:
+    """What grew in a labelled metric family, by its one label's value (``source="host"`` -> ``host``)."""
+    return {k.split('"')[1]: v for k, v in delta(after, before, family + "{").items()}
+
+
 def _on_failure(held: Held[_Group], run: Callable[[], BenchResult]) -> BenchResult:
     try:
         return run()
@@ -197,26 +228,14 @@ def run_pd(backend: Backend, mode: str, engine: str, quick: bool, name: str) -> 
         first = client.stream(proxy.url, model, texts[0], MAX_TOKENS)  # side-channel handshake, first transfer
         client.stream(plain.url, model, texts[0], MAX_TOKENS)
         before = metrics(decode.url)
-        ttft, e2e_ours, e2e_base = Samples(), [], []
-        equal, tokens = 0, []
-        per_prompt: list[tuple[list[float], list[float]]] = [([], []) for _ in texts]
-        for _ in range(QUICK_ROUNDS if quick else ROUNDS):
-            for i, prompt in enumerate(texts):
-                ours = client.stream(proxy.url, model, prompt, MAX_TOKENS)
-                base = client.stream(plain.url, model, prompt, MAX_TOKENS)
-                per_prompt[i][0].append(ours.ttft_s)
-                per_prompt[i][1].append(base.ttft_s)
-                ttft.ours.append(ours.ttft_s)
-                ttft.baseline.append(base.ttft_s)
-                e2e_ours.append(ours.e2e_s)
-                e2e_base.append(base.e2e_s)
-                equal += ours.text == base.text
-                tokens.append(base.prompt_tokens)
-        after = metrics(decode.url)
-        by_source = {k.split('"')[1]: after[k] - before.get(k, 0.0) for k in after if k.startswith(SOURCE + "{")}
+        r = _rounds(texts, QUICK_ROUNDS if quick else ROUNDS, lambda prompt: (
+            client.stream(proxy.url, model, prompt, MAX_TOKENS), client.stream(plain.url, model, prompt, MAX_TOKENS)))
+        ttft, equal, tokens = r.ttft, r.equal, r.tokens
+        by_source = _by_label(metrics(decode.url), before, SOURCE)
         received = by_source.get("external_kv_transfer", 0.0)
-        e2e, e2e_b = statistics.median(e2e_ours), statistics.median(e2e_base)
+        e2e, e2e_b = statistics.median(r.e2e_ours), statistics.median(r.e2e_base)
         round_tokens = sum(tokens[: len(texts)])
+        n = len(texts)  # rep k was prompt k % n
         params: dict[str, Any] = {
             "model": "tiny-llama", "mode": mode, "engine": engine, "prompts": len(texts), "max_tokens": MAX_TOKENS,
             "ttft_ms": _ms(ttft.median), "plain_ttft_ms": _ms(ttft.baseline_median),
@@ -224,8 +243,8 @@ def run_pd(backend: Backend, mode: str, engine: str, quick: bool, name: str) -> 
             "e2e_ms": _ms(e2e), "plain_e2e_ms": _ms(e2e_b), "e2e_ratio": round(e2e_b / e2e, 3),
             "first_request_ttft_ms": _ms(first.ttft_s), "equal_answers": f"{equal}/{len(ttft.ours)}",
             # per prompt: [prompt tokens, P/D TTFT ms, plain TTFT ms], medians over the rounds
-            "ttft_ms_by_prompt": [[tokens[i], _ms(statistics.median(p)), _ms(statistics.median(b))]
-                                  for i, (p, b) in enumerate(per_prompt)],
+            "ttft_ms_by_prompt": [[tokens[i], _ms(statistics.median(ttft.ours[i::n])),
+                                   _ms(statistics.median(ttft.baseline[i::n]))] for i in range(n)],
             "decode_prompt_tokens_by_source": by_source, "round_prompt_tokens": round_tokens,
             "start_s": {**{k: round(v, 1) for k, v in pair.start_s.items()},
                         "plain": round(plain_group.start_s["plain"], 1)},
@@ -262,21 +281,11 @@ def run_offload(backend: Backend, quick: bool, name: str) -> BenchResult:
         texts = prompts()
         miss_then_hit(texts[0])  # warm-up
         before = metrics(server.url)
-        ttft, e2e_hit, e2e_miss = Samples(), [], []
-        equal, tokens = 0, []
-        for _ in range(QUICK_ROUNDS if quick else ROUNDS):
-            for prompt in texts:
-                miss, hit = miss_then_hit(prompt)
-                ttft.ours.append(hit.ttft_s)
-                ttft.baseline.append(miss.ttft_s)
-                e2e_hit.append(hit.e2e_s)
-                e2e_miss.append(miss.e2e_s)
-                equal += hit.text == miss.text
-                tokens.append(miss.prompt_tokens)
-        after = metrics(server.url)
-        cached = {k.split('"')[1]: after[k] - before.get(k, 0.0) for k in after if k.startswith(CACHED + "{")}
+        r = _rounds(texts, QUICK_ROUNDS if quick else ROUNDS, lambda prompt: miss_then_hit(prompt)[::-1])
+        ttft, equal, tokens = r.ttft, r.equal, r.tokens
+        cached = _by_label(metrics(server.url), before, CACHED)
         host = cached.get("host", 0.0)
-        e2e, e2e_m = statistics.median(e2e_hit), statistics.median(e2e_miss)
+        e2e, e2e_m = statistics.median(r.e2e_ours), statistics.median(r.e2e_base)
         round_tokens = sum(tokens[: len(texts)])
         params: dict[str, Any] = {
             "model": "tiny-llama", "mode": "hit", "prompts": len(texts), "max_tokens": MAX_TOKENS,
