@@ -43,6 +43,7 @@ PAIRS = [("pull", "mooncake"), ("layerwise", "nixl")]
 if FULL:
     PAIRS += [("push", "mooncake"), ("pull", "nixl"), ("push", "nixl"), ("layerwise", "mooncake")]
 MAX_TOKENS = 16
+LONG_TOKENS = 1024  # the decode-kill test's answers: the longest prompt (2039 tokens) plus these fit 4096
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # layers x (k, v) x KV heads x head_dim x float32 (kvplane.bench.serve.model)
 BLOCK_TOKENS = 128  # vLLM's block size on CPU
 SKIPPED = 'vllm:kvplane_connector_events_total{event="receive_skipped_blocks"}'
@@ -246,16 +247,21 @@ def test_a_decode_killed_during_a_push_leaves_the_prefills_kv_usage_where_it_was
     texts = prompts()
     before = {pair.prefill.name: idle(pair.prefill.url)[0]}
     bytes_before = metrics(pair.prefill.url)
+    # fresh salts (no prefix cache holds these prompts, so every request needs a push) and long answers that
+    # ignore EOS (a request the decode runs is still running when the kill comes, on any machine's speed)
+    long = {"model": str(pair.model), "max_tokens": LONG_TOKENS, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
-        futures = [pool.submit(complete, pair.proxy.url, p, model=str(pair.model)) for p in texts]
+        futures = [pool.submit(complete, pair.proxy.url, p, **long, cache_salt=uuid.uuid4().hex) for p in texts]
         pushed: dict[str, float] = {}
-        while not pushed and not all(f.done() for f in futures):  # the kill comes once the prefill has pushed
+        decoding = 0.0
+        while not (pushed and decoding) and not all(f.done() for f in futures):
             pushed = delta(metrics(pair.prefill.url), bytes_before, "vllm:kvplane_transfer_bytes_sum")
+            decoding = metrics(pair.decode.url)[RUNNING]  # the kill comes once the decode runs pushed requests
             time.sleep(0.05)
         pair.decode.kill()  # the module's last test on this pair: the decode stays dead
         answers = [f.result() for f in futures]
     codes = [code for code, _ in answers]
-    print(f"\ndecode killed after the prefill pushed {pushed}: answers {codes}")
+    print(f"\ndecode killed running {decoding:.0f} after the prefill pushed {pushed}: answers {codes}")
     assert pushed and not all(code == 200 for code in codes), "the decode died after every request had finished"
     for code, answer in answers:
         assert code == 200 or (code >= 500 and "error" in answer), (code, answer)
