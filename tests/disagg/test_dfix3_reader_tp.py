@@ -31,7 +31,7 @@ def test_a_read_done_claiming_another_tp_size_than_its_handshake_does_not_releas
 
         def lie() -> bool:
             peer = side._admission.peers[(eid, 0)]
-            side._dispatch(peer.identity, ReadDone("r", eid, 0, 1, True, side.local.boot_id, params.kvplane_token))
+            side._dispatch(peer.identity, peer.key, ReadDone("r", eid, 0, 1, True, side.local.boot_id, params.kvplane_token))
             return "r" in side._held  # still held for rank 1
 
         assert side._loop.submit(lie).result(10.0), "the prefill released r on a ReadDone claiming tp_size=1"

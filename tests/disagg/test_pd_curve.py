@@ -112,3 +112,45 @@ def test_a_non_loopback_listen_without_keys_is_refused_unless_allowed_explicitly
     assert DisaggConfig(engine_id="p", host="10.1.2.3", curve_secret_key=secret,
                         curve_allowed_clients=(public,)).host == "10.1.2.3"
     assert secret not in repr(DisaggConfig(engine_id="p", curve_secret_key=secret))
+
+
+def pull(prefill: Any, decode: Any, request_id: str) -> None:
+    src, dst = prefill.allocate(40), decode.allocate(40)
+    decode.side.start_pull(request_id, prefill.side.request_finished(request_id, src, 40), dst)
+    assert decode.wait(request_id).state == "done"
+    assert digest(SPEC, decode.cache, "packed_kv", {0: dst}, 40) == \
+        digest(SPEC, prefill.cache, "packed_kv", {0: src}, 40)
+
+
+def test_a_handshake_under_a_connected_decodes_routing_id_from_another_key_is_refused() -> None:
+    """Issue 28 finding 4: a second allow-listed key that learned the decode's ZMQ routing id connects under it
+    (the ROUTER hands the id over to the newest connection) and replays the decode's handshake. The prefill knows
+    the decode by its routing id and its CURVE key together, so the replay is refused, not answered, and the
+    decode's record stays the decode's; the real decode pulls again afterwards."""
+    p_pub, p_sec = keypair()
+    d_pub, d_sec = keypair()
+    t_pub, t_sec = keypair()  # the thief: on the allow-list too (an insider), but not the decode
+    prefill = make("prefill", SPEC, seed=4, curve_secret_key=p_sec, curve_allowed_clients=(d_pub, t_pub))
+    decode = make("decode", SPEC, curve_secret_key=d_sec, curve_server_key=p_pub)
+    context = zmq.Context()
+    try:
+        pull(prefill, decode, "r1")
+        (name, record), = prefill.side._admission.peers.items()
+        thief = context.socket(zmq.DEALER)
+        thief.setsockopt(zmq.LINGER, 0)
+        thief.setsockopt(zmq.ROUTING_ID, record.identity)
+        thief.curve_publickey, thief.curve_secretkey, thief.curve_serverkey = t_pub.encode(), t_sec.encode(), \
+            p_pub.encode()
+        thief.connect(f"tcp://127.0.0.1:{prefill.side.port}")
+        thief.send(messages.encode(decode.side.local.handshake()))
+        assert thief.poll(60_000), "no answer to the replayed handshake"
+        answer = messages.decode(thief.recv(), 1 << 20)
+        assert isinstance(answer, messages.Reject), answer  # before: the prefill's own Handshake, to the thief
+        assert "key" in answer.reason, answer.reason
+        thief.close()
+        assert prefill.side._admission.peers[name] is record
+        pull(prefill, decode, "r2")
+    finally:
+        context.destroy(linger=0)
+        decode.close()
+        prefill.close()

@@ -40,7 +40,7 @@ def test_one_call_takes_at_most_the_budget_and_the_rest_stays_queued(
     assert router.poll(10_000) == zmq.POLLIN
     counters = channel.Counters()
     first = list(channel.receive(router, 1 << 20, counters, True))
-    assert [m.request_id for _, m in first] == [f"r{i}" for i in range(channel.RECEIVE_BUDGET)]  # type: ignore[union-attr]
+    assert [m.request_id for _, _, m in first] == [f"r{i}" for i in range(channel.RECEIVE_BUDGET)]  # type: ignore[union-attr]
     assert router.poll(0) == zmq.POLLIN  # the rest waits, and the loop sees the socket readable again
     rest = []
     while router.poll(0):
@@ -55,7 +55,7 @@ def test_each_message_is_read_only_once_the_one_before_was_handled(
     _send(dealer, 3)
     assert router.poll(10_000) == zmq.POLLIN
     received = channel.receive(router, 1 << 20, channel.Counters(), True)
-    identity, message = next(received)
+    identity, _, message = next(received)
     assert isinstance(message, Cancel) and message.request_id == "r0"
     # the other two are still in libzmq: another reader takes them before the generator goes on
     taken = [messages.decode(router.recv_multipart()[-1], 1 << 20) for _ in range(2)]

@@ -2,7 +2,9 @@
 
 A decode rank is known by ``(engine_id, rank)`` once its handshake passed ``peers.check_hello`` and its
 transport answered (``Prober``, off the loop). Every later message must come from the ZMQ connection that
-handshook under that name (``sender``). A record is replaced only by the same connection, or once the old
+handshook under that name (``sender``): its routing id and, where the side channel has CURVE keys, its public key
+too, so a client that connects under a decode's routing id with another key (libzmq hands the id over to it) is
+refused and its word never counts as the decode's. A record is replaced only by the same connection, or once the old
 connection is proved gone (a send to it fails: the ROUTER refuses unknown identities), so a replayed handshake
 with another rank's engine id cannot take its place; nor can a handshake that names another peer's transport.
 The transport is connected only after these checks, so a refused handshake never touches a working connection.
@@ -41,15 +43,16 @@ class Admission:
                  replaced: Callable[[PeerRecord, str], None], limit: RateLimit) -> None:
         self.local, self.prober, self._send, self._replaced, self._limit = local, prober, send, replaced, limit
         self.peers: dict[Key, PeerRecord] = {}
-        self._probing: dict[Key, bytes] = {}  # names being checked -> the connection whose handshake it is
+        self._probing: dict[Key, tuple[bytes, str]] = {}  # names being checked -> whose handshake it is
         self._again: dict[Key, Handshake] = {}  # the latest handshake that connection sent meanwhile
 
-    def sender(self, identity: bytes, engine_id: str, rank: int) -> PeerRecord | None:
-        """The peer record a message claiming ``(engine_id, rank)`` may speak for, or None."""
+    def sender(self, identity: bytes, key: str, engine_id: str, rank: int) -> PeerRecord | None:
+        """The peer record a message from connection ``identity`` under CURVE ``key`` claiming ``(engine_id, rank)``
+        may speak for, or None."""
         peer = self.peers.get((engine_id, rank))
-        return peer if peer is not None and peer.identity == identity else None
+        return peer if peer is not None and (peer.identity, peer.key) == (identity, key) else None
 
-    def on_handshake(self, identity: bytes, hello: Handshake) -> None:
+    def on_handshake(self, identity: bytes, key: str, hello: Handshake) -> None:
         try:
             manifest, info = check_hello(self.local, hello, expect_role="decode")
         except ManifestMismatch as e:
@@ -58,39 +61,39 @@ class Admission:
         except KvplaneError as e:  # a manifest that does not decode, a descriptor without memory
             self._reject(identity, Reject("handshake", "", "", str(e), hello.attempt))
             return
-        key = (hello.engine_id, hello.rank)
-        old = self.peers.get(key)
-        if old is not None and old.identity == identity and old.boot_id == hello.boot_id \
+        name = (hello.engine_id, hello.rank)
+        old = self.peers.get(name)
+        if old is not None and (old.identity, old.key) == (identity, key) and old.boot_id == hello.boot_id \
                 and old.peer_bytes == hello.peer:
             self._answer(identity, hello)  # the same connection asking again
             return
-        why = self._refusal(key, identity, info)
-        if not why and key in self._probing:
-            if self._probing[key] == identity:  # the same connection asking again: answered after the first
-                self._again[key] = hello
+        why = self._refusal(name, identity, key, info)
+        if not why and name in self._probing:
+            if self._probing[name] == (identity, key):  # the same connection asking again: answered after the first
+                self._again[name] = hello
                 return
             why = "a handshake under this name is being checked already on another connection; retry once it is " \
                   "answered"
         if why:
             self._reject(identity, Reject("peer", "", "", why, hello.attempt))
             return
-        self._probing[key] = identity
+        self._probing[name] = (identity, key)
 
         def connected(handle: str, error: str) -> None:
-            self._connected(identity, hello, manifest, info, handle, error)
+            self._connected(identity, key, hello, manifest, info, handle, error)
 
         if not self.prober.connect(info, connected):
-            self._probing.pop(key, None)
+            self._probing.pop(name, None)
             self._reject(identity, Reject("handshake", "", "", "too many transports being connected; retry",
                                           hello.attempt))
 
-    def _connected(self, identity: bytes, hello: Handshake, manifest: Manifest, info: PeerInfo, handle: str,
-                   error: str) -> None:
-        key = (hello.engine_id, hello.rank)
-        self._probing.pop(key, None)
-        again = self._again.pop(key, None)
+    def _connected(self, identity: bytes, key: str, hello: Handshake, manifest: Manifest, info: PeerInfo,
+                   handle: str, error: str) -> None:
+        name = (hello.engine_id, hello.rank)
+        self._probing.pop(name, None)
+        again = self._again.pop(name, None)
         why = f"this prefill rank cannot reach its transport: {error}" if error else \
-            self._refusal(key, identity, info)
+            self._refusal(name, identity, key, info)
         # One answer per connection: to the latest handshake it sent (the decode takes no other). A handshake kept
         # meanwhile that says the same gets this one's verdict; one that says something new (its transport was
         # reset, so this one may have named an engine that is gone) is checked on its own and answered then.
@@ -98,27 +101,33 @@ class Admission:
         latest = again if again is not None and not new else hello
         if why:
             if again is not None and new:
-                self.on_handshake(identity, again)
+                self.on_handshake(identity, key, again)
             else:
                 self._reject(identity, Reject("handshake", "", "", why, latest.attempt))
             return
-        old = self.peers.get(key)
-        self.peers[key] = record(hello, manifest, info, handle, identity)
+        old = self.peers.get(name)
+        self.peers[name] = record(hello, manifest, info, handle, identity, key)
         if old is not None:
             self._replaced(old, f"decode {hello.engine_id} rank {hello.rank} handshook again (boot {hello.boot_id})")
         if again is not None and new:
-            self.on_handshake(identity, again)
+            self.on_handshake(identity, key, again)
         else:
             self._answer(identity, latest)
 
-    def _refusal(self, key: Key, identity: bytes, info: PeerInfo) -> str:
-        """Why a handshake from ``identity`` may not (yet) stand for ``key``; "" when it may."""
-        old = self.peers.get(key)
+    def _refusal(self, name: Key, identity: bytes, key: str, info: PeerInfo) -> str:
+        """Why a handshake from connection ``identity`` under CURVE ``key`` may not (yet) stand for ``name``; ""
+        when it may."""
+        for other, peer in self.peers.items():
+            if peer.identity == identity and peer.key != key:  # libzmq handed the id over: never the same client
+                return (f"the routing id of this connection belongs to decode {other[0]!r} rank {other[1]}, which "
+                        f"handshook under another CURVE key; a connection under it with key {key!r} is refused "
+                        f"(each decode socket picks a random routing id of its own: do not set one)")
+        old = self.peers.get(name)
         if old is not None and old.identity != identity and self._alive(old):
-            return (f"decode {key[0]!r} rank {key[1]} is connected already (boot {old.boot_id}); a second "
+            return (f"decode {name[0]!r} rank {name[1]} is connected already (boot {old.boot_id}); a second "
                     f"connection under its name is refused while the first one lives")
         for other, peer in self.peers.items():
-            if other != key and peer.transport_name == info.name and self._alive(peer):
+            if other != name and peer.transport_name == info.name and self._alive(peer):
                 return f"transport {info.name!r} belongs to decode {other[0]!r} rank {other[1]}, which is connected"
         return ""
 

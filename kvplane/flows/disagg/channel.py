@@ -14,7 +14,10 @@ network no longer holds its name at a prefill rank until TCP notices (hours, for
 a random routing id of its own (``ZMQ_ROUTING_ID``) and the ROUTER hands an id over to its newest connection
 (``ZMQ_ROUTER_HANDOVER``), so a decode whose connection was closed and that reconnects by itself is still the
 connection that handshook: its word keeps counting without a new handshake. The id is 16 random bytes that only
-the two ends see (inside CURVE's encryption where keys are set), so no other client can claim it.
+the two ends see (inside CURVE's encryption where keys are set). A client that learned it anyway can still take the
+id over (libzmq hands it to the newest connection), so under CURVE each routed message also carries the sender's
+public key (ZAP's User-Id, ``auth.Guard``) and the prefill knows a decode by both (``admission``): a connection
+under a decode's id with another key is refused. Without keys the id is all there is (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -96,18 +99,21 @@ class Counters:
 
 
 def receive(sock: zmq.Socket[bytes], max_bytes: int, counters: Counters, routed: bool,
-            budget: int = RECEIVE_BUDGET) -> Iterator[tuple[bytes, messages.Message]]:
-    """The messages waiting on ``sock`` as ``(identity, message)`` (identity ``b""`` on a DEALER), each read and
+            budget: int = RECEIVE_BUDGET) -> Iterator[tuple[bytes, str, messages.Message]]:
+    """The messages waiting on ``sock`` as ``(identity, key, message)`` (identity ``b""`` on a DEALER; key: the
+    sender's CURVE public key, Z85, on a CURVE server socket, else ``""``), each read and
     decoded only once the caller has handled the one before: at most one decoded message is held at a time. At
     most ``budget`` frames a call: the rest stay queued in libzmq, the socket stays readable, and the loop's
     other work runs first (libzmq's ROUTER fair-queues its peers, so each connection gets its turn)."""
+    keyed = routed and bool(sock.getsockopt(zmq.CURVE_SERVER))
     for _ in range(budget):
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
-        identity = frames[0] if routed and len(frames) > 1 else b""
-        payload = frames[-1]
+        identity = frames[0].bytes if routed and len(frames) > 1 else b""
+        key = _user_id(frames[-1]) if keyed else ""
+        payload = frames[-1].bytes
         if (routed and len(frames) != 2) or (not routed and len(frames) != 1):
             counters.rejected += 1
             logger.warning("side channel: dropped a message of %d frames (expected %d)", len(frames),
@@ -119,7 +125,15 @@ def receive(sock: zmq.Socket[bytes], max_bytes: int, counters: Counters, routed:
             counters.rejected += 1
             logger.warning("side channel: %s", e)
             continue
-        yield identity, message
+        yield identity, key, message
+
+
+def _user_id(frame: zmq.Frame) -> str:
+    """The sender's CURVE public key, as the ZAP handler (``auth.Guard``) named the connection; "" without one."""
+    try:
+        return str(frame.get("User-Id"))
+    except zmq.ZMQError:  # no ZAP handler on this context: the connection has no user id
+        return ""
 
 
 def send(sock: zmq.Socket[bytes], message: messages.Message, counters: Counters, identity: bytes = b"") -> bool:

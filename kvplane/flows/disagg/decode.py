@@ -405,7 +405,7 @@ class DecodeSide(SideLifecycle):
 
     # -- loop: messages -----------------------------------------------------------------------------------
     def _on_readable(self, conn: Conn, sock: zmq.Socket[bytes]) -> None:
-        self._receive(sock, False, lambda _, message: self._dispatch(conn, message))
+        self._receive(sock, False, lambda _, __, message: self._dispatch(conn, message))
 
     def _dispatch(self, conn: Conn, message: Message) -> None:
         if isinstance(message, Handshake | Reject) and (message.attempt != conn.attempt or conn.answered):

@@ -42,6 +42,7 @@ class PeerRecord:
     identity: bytes = b""  # the peer's ZMQ routing id (prefill side)
     transport_name: str = ""  # PeerInfo.name: the engine-level identity the transport knows it by
     peer_bytes: bytes = b""  # Handshake.peer as received, to recognise a repeated handshake
+    key: str = ""  # the peer's CURVE public key (Z85) where the side channel has keys (prefill side)
 
 
 def check_hello(local: LocalKV, hello: Handshake, *, expect_role: str) -> tuple[Manifest, PeerInfo]:
@@ -77,9 +78,10 @@ def check_hello(local: LocalKV, hello: Handshake, *, expect_role: str) -> tuple[
     return manifest, peer_info
 
 
-def record(hello: Handshake, manifest: Manifest, info: PeerInfo, handle: str, identity: bytes = b"") -> PeerRecord:
+def record(hello: Handshake, manifest: Manifest, info: PeerInfo, handle: str, identity: bytes = b"",
+           key: str = "") -> PeerRecord:
     return PeerRecord(hello.engine_id, hello.rank, hello.tp_size, hello.boot_id, manifest, handle, identity,
-                      info.name, hello.peer)
+                      info.name, hello.peer, key)
 
 
 Done = Callable[[str, str], None]  # (handle, error): exactly one of them is non-empty

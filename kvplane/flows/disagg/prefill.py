@@ -267,17 +267,17 @@ class PrefillSide(SideLifecycle):
     def _on_readable(self, sock: zmq.Socket[bytes]) -> None:
         self._receive(sock, True, self._dispatch)
 
-    def _dispatch(self, identity: bytes, message: Message) -> None:
+    def _dispatch(self, identity: bytes, key: str, message: Message) -> None:
         if isinstance(message, Handshake):
-            self._admission.on_handshake(identity, message)
+            self._admission.on_handshake(identity, key, message)
             return
         if not isinstance(message, Heartbeat | ReadDone | PushRegister | Cancel):
             self._drop(f"{type(message).__name__} is not a message a prefill rank takes")
             return
-        peer = self._admission.sender(identity, message.engine_id, message.rank)
+        peer = self._admission.sender(identity, key, message.engine_id, message.rank)
         if peer is None:
             self._drop(f"{type(message).__name__} claims decode {message.engine_id!r} rank {message.rank}, which "
-                       f"did not handshake on that connection")
+                       f"did not handshake on that connection (under that CURVE key)")
         elif isinstance(message, ReadDone | PushRegister) and message.tp_size != peer.tp_size:
             # the count of decode ranks the request waits for: only the one its handshake (manifest) showed
             self._drop(f"{type(message).__name__} for request {message.request_id} says tp_size={message.tp_size}, "

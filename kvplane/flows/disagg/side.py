@@ -39,12 +39,14 @@ class SideLifecycle:
         """Plans of this side queued for or moving through the transport, as the loop last published."""
         return self._out.in_flight
 
-    def _receive(self, sock: zmq.Socket[bytes], routed: bool, dispatch: Callable[[bytes, Message], None]) -> None:
-        """Hand every message waiting on ``sock`` to ``dispatch(identity, message)``; one that trips a bug is
+    def _receive(self, sock: zmq.Socket[bytes], routed: bool, dispatch: Callable[[bytes, str, Message], None]
+                 ) -> None:
+        """Hand every message waiting on ``sock`` to ``dispatch(identity, key, message)`` (``channel.receive``);
+        one that trips a bug is
         counted as rejected and logged, and never drops the ones behind it. On the loop thread."""
-        for identity, message in channel.receive(sock, self.config.max_message_bytes, self.counters, routed):
+        for identity, key, message in channel.receive(sock, self.config.max_message_bytes, self.counters, routed):
             try:
-                dispatch(identity, message)
+                dispatch(identity, key, message)
             except Exception:
                 self.counters.rejected += 1
                 logger.exception("%s rank %d: handling %s failed; dropped", self.local.role, self.config.rank,
