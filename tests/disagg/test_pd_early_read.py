@@ -8,9 +8,9 @@ import time
 
 import pytest
 from kvfill import digest
-from pair import make, small_spec
+from pair import make, push_params, small_spec
 
-from kvplane.flows.disagg import TransferParams
+from kvplane.flows.disagg import TransferParams, limits
 from kvplane.flows.disagg.tokens import new_token
 
 pytestmark = pytest.mark.integration
@@ -39,3 +39,27 @@ def test_a_read_done_that_beats_request_finished_still_releases_the_blocks_at_on
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_push_the_prefill_has_no_room_to_keep_word_of_fails_naming_that() -> None:
+    """Issue 28: a decode registers more pushes than a prefill rank keeps word of before its engine hands the
+    requests over (``limits.MAX_EARLY_PER_PEER`` per decode connection). The one past the cap is refused: the
+    decode's request fails at once with the prefill's reason, not at its push timeout, and the others stay
+    registered."""
+    spec = small_spec()
+    cap = limits.MAX_EARLY_PER_PEER
+    prefill = make("prefill", spec, seed=3, mode="push", push_timeout_s=600.0)
+    decode = make("decode", spec, mode="push", num_blocks=cap + 8, push_timeout_s=600.0)
+    try:
+        for i in range(cap + 1):
+            rid = f"r{i}"
+            decode.side.register_push(rid, push_params(prefill.side.base_port, rid, prefill.side.config.engine_id),
+                                      decode.allocate(1), 1)
+        refused = decode.wait(f"r{cap}", within_s=120.0)  # far past the reply's time; the push timeout is 600 s
+        assert refused.state == "failed", refused
+        assert "too many requests registered that this prefill rank was not handed yet" in refused.reason, refused
+        assert all(prefill.side.push_registered(f"r{i}") for i in range(cap))
+        assert f"r{cap - 1}" not in decode.collect()
+    finally:
+        decode.close()
+        prefill.close()
