@@ -8,7 +8,7 @@ import pytest
 
 from kvplane.bench.models import model_spec
 from kvplane.bench.plan_build import synthetic_manifest
-from kvplane.plan import planner
+from kvplane.plan import pairing
 from kvplane.plan.planner import plan_transfer
 
 
@@ -16,7 +16,7 @@ from kvplane.plan.planner import plan_transfer
 @pytest.mark.parametrize("runs", [False, True], ids=["scatter", "runs"])
 def test_the_native_pass_and_numpy_give_the_same_plan(model: str, layout: str, runs: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    if planner._native is None or not hasattr(planner._native, "plan_blocks"):
+    if pairing._native is None or not hasattr(pairing._native, "plan_blocks"):
         pytest.skip("the C extension is not built (python setup.py build_ext --inplace)")
     spec = model_spec(model, 16)
     src, dst = synthetic_manifest(spec, layout, 200, 1 << 40), synthetic_manifest(spec, layout, 200, 1 << 46)
@@ -24,7 +24,7 @@ def test_the_native_pass_and_numpy_give_the_same_plan(model: str, layout: str, r
     s_ids = np.arange(30, 130, dtype=np.int64) if runs else rng.choice(200, 100, replace=False).astype(np.int64)
     d_ids = np.arange(60, 160, dtype=np.int64) if runs else rng.choice(200, 100, replace=False).astype(np.int64)
     native = plan_transfer(src, dst, {0: s_ids}, {0: d_ids}, {0: 1600}).plan
-    monkeypatch.setattr(planner, "_native", None)
+    monkeypatch.setattr(pairing, "_native", None)
     numpy = plan_transfer(src, dst, {0: s_ids}, {0: d_ids}, {0: 1600}).plan
     for field in ("src", "dst", "length"):
         np.testing.assert_array_equal(getattr(native, field), getattr(numpy, field))
@@ -37,7 +37,7 @@ def test_a_pairing_is_reused_only_for_the_very_manifests_it_was_built_from() -> 
     ids = {0: np.arange(4, dtype=np.int64)}
     a_src, a_dst = synthetic_manifest(spec, "split_kv", 8, 1 << 40), synthetic_manifest(spec, "split_kv", 8, 1 << 46)
     first = plan_transfer(a_src, a_dst, ids, ids, {0: 64}).plan
-    assert planner._pairing(a_src, a_dst, None) is planner._pairing(a_src, a_dst, None)
+    assert pairing.pairing(a_src, a_dst, None) is pairing.pairing(a_src, a_dst, None)
     del a_src
     b_src = synthetic_manifest(spec, "split_kv", 8, 1 << 42)  # may reuse the freed manifest's id
     second = plan_transfer(b_src, a_dst, ids, ids, {0: 64}).plan
