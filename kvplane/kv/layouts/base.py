@@ -165,20 +165,7 @@ def read_tensor(
 ) -> Iterator[tuple[SlotTensor, Region]]:
     """Regions of one tensor from its real strides; every check runs before anything is yielded."""
     where = f"layer {layer.name!r} slot {'+'.join(ts.slots)!r}"
-    if t.dim() != len(ts.dims):
-        raise LayoutError(
-            f"{where}: layout {layout.name} expects {layout.shape} ({len(ts.dims)} dims), got shape "
-            f"{tuple(t.shape)}; the tensor is not this layout: name the layout ({', '.join(_names())}) that "
-            f"matches the engine's cache, or let the connector read it from the engine's attention backend"
-        )
-    size, stride = dict(zip(ts.dims, t.shape)), dict(zip(ts.dims, t.stride()))
-    for dim, want in expected_sizes(ts, layer, tokens_per_block).items():
-        if size[dim] != want:
-            raise LayoutError(
-                f"{where}: dim {ts.dims.index(dim)} ({dim}) of {layout.shape} is {size[dim]}, the KV spec says "
-                f"{want} (shape {tuple(t.shape)}); check heads, head size and block size in the spec against "
-                f"the engine's cache"
-            )
+    size, stride = _checked_dims(layout, layer, tokens_per_block, ts, t, where)
     rows = [_row_slots(layer, names) for names in ts.rows]
     dtype = rows[0][0].dtype
     if torch_dtype_name(t) != dtype:
@@ -186,32 +173,8 @@ def read_tensor(
             f"{where}: tensor dtype is {torch_dtype_name(t)}, the KV spec says {dtype}; build the spec with "
             f"dtype={torch_dtype_name(t)!r}"
         )
-    if size["block"] < 1:
-        raise LayoutError(f"{where}: the cache has 0 blocks")
-    heads, row = size.get("head", 1), size["row"]
-    if row > 1 and stride["row"] != 1:
-        raise LayoutError(f"{where}: one block is not contiguous: rows are strided (strides {tuple(t.stride())}); "
-                          f"kvplane moves whole blocks, so each (token, head) row must be contiguous")
-    expect = row
-    for st, sz in sorted((stride[d], size[d]) for d in INNER if d in size and size[d] > 1):
-        if st != expect:
-            raise LayoutError(
-                f"{where}: one block is not contiguous (shape {tuple(t.shape)}, strides {tuple(t.stride())}); "
-                f"kvplane moves whole blocks, so tokens and heads of a block must be dense"
-            )
-        expect *= sz
-    block_elems = expect
-    extent = block_elems
-    for st, sz, dim in sorted((stride[d], size[d], d) for d in ("block", "kv") if d in size and size[d] > 1):
-        if st < extent:
-            raise LayoutError(
-                f"{where}: dim {dim!r} has stride {st} elements but what it steps over spans {extent}, so "
-                f"blocks overlap (strides {tuple(t.stride())}); pass the engine's tensor, not an expanded view"
-            )
-        extent += st * (sz - 1)
-    isz = t.element_size()
-    if (t.storage_offset() + extent) * isz > t.untyped_storage().nbytes():
-        raise LayoutError(f"{where}: the view reaches past the end of its storage; pass the engine's own tensor")
+    block_elems = _dense_block(t, size, stride, where)
+    heads, row, isz = size.get("head", 1), size["row"], t.element_size()
     order = "HND" if heads > 1 and tokens_per_block > 1 and stride["head"] > stride["token"] else "NHD"
     canonical = t.permute(*[ts.dims.index(d) for d in ("kv", "block", "token", "head", "row") if d in ts.dims])
     if "head" not in ts.dims:
@@ -236,6 +199,55 @@ def read_tensor(
             order=order,
         )
         yield SlotTensor(name, view, dtype, heads, row, parts), region
+
+
+def _checked_dims(layout: Layout, layer: LayerSpec, tokens_per_block: int, ts: TensorSpec, t: torch.Tensor,
+                  where: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The tensor's size and stride by dim name, once its dims match the layout and the KV spec."""
+    if t.dim() != len(ts.dims):
+        raise LayoutError(
+            f"{where}: layout {layout.name} expects {layout.shape} ({len(ts.dims)} dims), got shape "
+            f"{tuple(t.shape)}; the tensor is not this layout: name the layout ({', '.join(_names())}) that "
+            f"matches the engine's cache, or let the connector read it from the engine's attention backend"
+        )
+    size, stride = dict(zip(ts.dims, t.shape)), dict(zip(ts.dims, t.stride()))
+    for dim, want in expected_sizes(ts, layer, tokens_per_block).items():
+        if size[dim] != want:
+            raise LayoutError(
+                f"{where}: dim {ts.dims.index(dim)} ({dim}) of {layout.shape} is {size[dim]}, the KV spec says "
+                f"{want} (shape {tuple(t.shape)}); check heads, head size and block size in the spec against "
+                f"the engine's cache"
+            )
+    if size["block"] < 1:
+        raise LayoutError(f"{where}: the cache has 0 blocks")
+    return size, stride
+
+
+def _dense_block(t: torch.Tensor, size: dict[str, int], stride: dict[str, int], where: str) -> int:
+    """Elements of one block, once each block is dense (rows, tokens and heads), blocks do not overlap and the
+    view stays inside its storage."""
+    if size["row"] > 1 and stride["row"] != 1:
+        raise LayoutError(f"{where}: one block is not contiguous: rows are strided (strides {tuple(t.stride())}); "
+                          f"kvplane moves whole blocks, so each (token, head) row must be contiguous")
+    expect = size["row"]
+    for st, sz in sorted((stride[d], size[d]) for d in INNER if d in size and size[d] > 1):
+        if st != expect:
+            raise LayoutError(
+                f"{where}: one block is not contiguous (shape {tuple(t.shape)}, strides {tuple(t.stride())}); "
+                f"kvplane moves whole blocks, so tokens and heads of a block must be dense"
+            )
+        expect *= sz
+    extent = expect
+    for st, sz, dim in sorted((stride[d], size[d], d) for d in ("block", "kv") if d in size and size[d] > 1):
+        if st < extent:
+            raise LayoutError(
+                f"{where}: dim {dim!r} has stride {st} elements but what it steps over spans {extent}, so "
+                f"blocks overlap (strides {tuple(t.stride())}); pass the engine's tensor, not an expanded view"
+            )
+        extent += st * (sz - 1)
+    if (t.storage_offset() + extent) * t.element_size() > t.untyped_storage().nbytes():
+        raise LayoutError(f"{where}: the view reaches past the end of its storage; pass the engine's own tensor")
+    return expect
 
 
 def memory_dims(ts: TensorSpec, order: str) -> list[str]:
