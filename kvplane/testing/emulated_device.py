@@ -112,62 +112,18 @@ def device_module(device_type: str, stream_attribute: str, device_count: int) ->
         (EmulatedStream,),
         {stream_attribute: EmulatedStream.handle, "device_type_name": device_type, "__module__": module.__name__},
     )
-    state = threading.local()  # current device and stream are per thread, as in torch
-
-    def check(index: int) -> int:
-        if not 0 <= index < device_count:
-            raise RuntimeError(f"emulated {device_type}: device {index} does not exist ({device_count} emulated)")
-        return index
-
-    def current_device() -> int:
-        return int(getattr(state, "device", 0))
-
-    def set_device(device: Any) -> None:
-        state.device = check(_index(device))
-
-    def current_stream(device: Any = None) -> Any:
-        index = check(_index(device) if device is not None else current_device())
-        streams: dict[int, Any] = getattr(state, "streams", {})
-        state.streams = streams
-        return streams.get(index) or default_stream(index)
-
-    defaults: dict[int, Any] = {}
-
-    def default_stream(device: Any = None) -> Any:
-        index = check(_index(device) if device is not None else current_device())
-        return defaults.setdefault(index, stream_cls(index))
-
-    @contextmanager
-    def device(index: Any) -> Iterator[None]:
-        previous = current_device()
-        set_device(index)
-        try:
-            yield
-        finally:
-            state.device = previous
-
-    @contextmanager
-    def stream(s: Any) -> Iterator[None]:
-        streams: dict[int, Any] = getattr(state, "streams", {})
-        state.streams = streams
-        previous = streams.get(s.device_index)
-        streams[s.device_index] = s
-        try:
-            yield
-        finally:
-            streams[s.device_index] = previous
-
+    d = _Devices(device_type, device_count, stream_cls)
     functions = {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
         "init": lambda: None,
         "device_count": lambda: device_count,
-        "current_device": current_device,
-        "set_device": set_device,
-        "device": device,
-        "current_stream": current_stream,
-        "default_stream": default_stream,
-        "stream": stream,
+        "current_device": d.current_device,
+        "set_device": d.set_device,
+        "device": d.device,
+        "current_stream": d.current_stream,
+        "default_stream": d.default_stream,
+        "stream": d.stream,
         "synchronize": lambda device=None: None,
         "get_device_name": lambda device=None: f"kvplane emulated {device_type} (CPU memory)",
         "Stream": stream_cls,
@@ -177,3 +133,56 @@ def device_module(device_type: str, stream_attribute: str, device_count: int) ->
     for name, value in functions.items():
         setattr(module, name, value)
     return module
+
+
+class _Devices:
+    """The current device and stream of each thread (as in torch) and each device's default stream."""
+
+    def __init__(self, device_type: str, device_count: int, stream_cls: type[EmulatedStream]) -> None:
+        self.device_type, self.device_count, self.stream_cls = device_type, device_count, stream_cls
+        self.state = threading.local()
+        self.defaults: dict[int, Any] = {}
+
+    def check(self, index: int) -> int:
+        if not 0 <= index < self.device_count:
+            raise RuntimeError(f"emulated {self.device_type}: device {index} does not exist ({self.device_count} "
+                               f"emulated)")
+        return index
+
+    def current_device(self) -> int:
+        return int(getattr(self.state, "device", 0))
+
+    def set_device(self, device: Any) -> None:
+        self.state.device = self.check(_index(device))
+
+    def _streams(self) -> dict[int, Any]:
+        streams: dict[int, Any] = getattr(self.state, "streams", {})
+        self.state.streams = streams
+        return streams
+
+    def current_stream(self, device: Any = None) -> Any:
+        index = self.check(_index(device) if device is not None else self.current_device())
+        return self._streams().get(index) or self.default_stream(index)
+
+    def default_stream(self, device: Any = None) -> Any:
+        index = self.check(_index(device) if device is not None else self.current_device())
+        return self.defaults.setdefault(index, self.stream_cls(index))
+
+    @contextmanager
+    def device(self, index: Any) -> Iterator[None]:
+        previous = self.current_device()
+        self.set_device(index)
+        try:
+            yield
+        finally:
+            self.state.device = previous
+
+    @contextmanager
+    def stream(self, s: Any) -> Iterator[None]:
+        streams = self._streams()
+        previous = streams.get(s.device_index)
+        streams[s.device_index] = s
+        try:
+            yield
+        finally:
+            streams[s.device_index] = previous
