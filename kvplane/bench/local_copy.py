@@ -83,6 +83,23 @@ def _prefix_of(buf: torch.Tensor) -> Callable[[int], torch.Tensor]:
     return lambda n: buf[:n]
 
 
+def _caches(bufs: _Buffers, spec: KVSpec, layouts: LayoutChoice, total_blocks: int, direction: str,
+            cross_layer: bool) -> dict[str, dict[str, LayerValue]]:
+    """Both sides' caches carved from the held buffers, the source side holding the distinct pattern and the
+    destination side zeros."""
+    carve = {"device": bufs.device, "host": bufs.host}
+    if cross_layer:  # vLLM's one tensor for all layers on both sides: a block of every layer is one range
+        caches = {side: cross_layer_cache(spec, layouts, total_blocks, _prefix_of(buf), "NHD")[1]
+                  for side, buf in carve.items()}
+    else:
+        caches = {side: allocate_cache(spec, layouts, total_blocks, alloc=_prefix_of(buf), zero=False)
+                  for side, buf in carve.items()}
+    if direction == "h2d":  # give the host side the distinct pattern, the device side zeros
+        bufs.host.copy_(bufs.device.to(bufs.host.device))
+    carve["host" if direction == "d2h" else "device"].zero_()
+    return caches
+
+
 def run_local_copy(
     backend: Backend, model: str, direction: str, block_tokens: int, quick: bool,
     layouts: LayoutChoice | None = None, name: str | None = None, cross_layer: bool = False,
@@ -93,17 +110,8 @@ def run_local_copy(
     bufs = _buffers(backend, model, tokens)
     blocks = -(-tokens // block_tokens)
     total_blocks = 2 * blocks
-    carve = {"device": bufs.device, "host": bufs.host}
-    if cross_layer:  # vLLM's one tensor for all layers on both sides: a block of every layer is one range
-        caches = {side: cross_layer_cache(spec, layouts, total_blocks, _prefix_of(buf), "NHD")[1]
-                  for side, buf in carve.items()}
-    else:
-        caches = {side: allocate_cache(spec, layouts, total_blocks, alloc=_prefix_of(buf), zero=False)
-                  for side, buf in carve.items()}
+    caches = _caches(bufs, spec, layouts, total_blocks, direction, cross_layer)
     src_side, dst_side = ("device", "host") if direction == "d2h" else ("host", "device")
-    if direction == "h2d":  # give the host side the distinct pattern, the device side zeros
-        bufs.host.copy_(bufs.device.to(bufs.host.device))
-    carve[dst_side].zero_()
     rng = np.random.default_rng(block_tokens)
     src_ids = rng.choice(total_blocks, blocks, replace=False)
     dst_ids = rng.choice(total_blocks, blocks, replace=False)

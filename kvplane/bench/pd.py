@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kvplane.backend.base import Backend
 from kvplane.bench.block_ids import Pattern, per_block_plan, request_ids
@@ -38,7 +39,9 @@ from kvplane.bench.peer import CacheConfig, KVBuffer, PeerConfig, PeerProcess
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenario import Scenario
 from kvplane.bench.timing import MIN_REPS, Samples, timed, timed_cpu
-from kvplane.plan.planner import plan_transfer
+from kvplane.descriptors import CopyPlan
+from kvplane.kv.manifest import Manifest
+from kvplane.plan.planner import TransferPlan, plan_transfer
 from kvplane.transports.base import Op, Transport, TransportConfig
 from kvplane.transports.nixl import NixlTransport
 from kvplane.transports.registry import get_transport_class
@@ -102,15 +105,9 @@ def run_pd(
     rng = np.random.default_rng(7 if op == "READ" else 8)
     remote_ids = request_ids(pattern, 2 * blocks, blocks, rng)
     local_ids = request_ids(pattern, 2 * blocks, blocks, rng)
-    remote_manifest = pair.peer.manifests[0]
     local_manifest = pair.local.manifest("decode", 0, 1, backend.torch_device_type)
     start = time.perf_counter()
-    if op == "READ":
-        tp = plan_transfer(remote_manifest, local_manifest, {0: remote_ids}, {0: local_ids}, {0: tokens})
-        raw_plan = per_block_plan(remote_manifest.regions, remote_ids, local_manifest.regions, local_ids)
-    else:
-        tp = plan_transfer(local_manifest, remote_manifest, {0: local_ids}, {0: remote_ids}, {0: tokens})
-        raw_plan = per_block_plan(local_manifest.regions, local_ids, remote_manifest.regions, remote_ids)
+    tp, raw_plan = _plans(op, pair.peer.manifests[0], remote_ids, local_manifest, local_ids, tokens)
     plan_s = time.perf_counter() - start
 
     def ours() -> None:
@@ -157,6 +154,16 @@ def run_pd(
             **(_ceiling_params(extra_s["raw_same_plan"], samples) if cross_layer or vram else {}),
         },
     )
+
+
+def _plans(op: Op, remote: Manifest, remote_ids: npt.NDArray[np.int64], local: Manifest,
+           local_ids: npt.NDArray[np.int64], tokens: int) -> tuple[TransferPlan, CopyPlan]:
+    """kvplane's plan for ``op`` (READ: remote to local) and the baseline's one descriptor per block and region."""
+    if op == "READ":
+        return (plan_transfer(remote, local, {0: remote_ids}, {0: local_ids}, {0: tokens}),
+                per_block_plan(remote.regions, remote_ids, local.regions, local_ids))
+    return (plan_transfer(local, remote, {0: local_ids}, {0: remote_ids}, {0: tokens}),
+            per_block_plan(local.regions, local_ids, remote.regions, remote_ids))
 
 
 def _unprepped(ours: Callable[[], None], nixl: NixlTransport) -> Callable[[], None]:

@@ -200,19 +200,22 @@ def run_flow(
     if isinstance(mover, NixlTransport):  # which path the flow's plans took (prepared lists or not), and why
         params["prep_paths"] = mover.prep_stats.as_dict()
     if mode == "layerwise":
-        push_s = statistics.median(pushes)
-        params.update({
-            "simulated_prefill_ms": round(compute_s * 1e3, 1), "push_ms": round(push_s * 1e3, 1),
-            "hidden": round(min(1.0, max(0.0, 1 - seconds / push_s)), 3),
-            "compute_over_push": round(compute_s / push_s, 3),
-        })
-        params["note"] = (f"{seconds * 1e3:.0f} ms after prefill vs {push_s * 1e3:.0f} ms for a whole push: "
-                          f"hidden {params['hidden']:.2f}")
+        params.update(_hidden(compute_s, seconds, statistics.median(pushes)))
     return make_result(
         scenario=name or _name(engine, model, mode, pattern), kind="pd", backend=backend.label, transport=engine,
         nbytes=plan.total_bytes, samples=samples, baseline=f"raw {engine} {op}", verified=verified,
         descriptors=round(statistics.median(moved)), params=params,
     )
+
+
+def _hidden(compute_s: float, seconds: float, push_s: float) -> dict[str, Any]:
+    """A layer-wise row's extra params: how much of a whole push the layer-wise one hid behind the prefill."""
+    hidden = round(min(1.0, max(0.0, 1 - seconds / push_s)), 3)
+    return {
+        "simulated_prefill_ms": round(compute_s * 1e3, 1), "push_ms": round(push_s * 1e3, 1), "hidden": hidden,
+        "compute_over_push": round(compute_s / push_s, 3),
+        "note": f"{seconds * 1e3:.0f} ms after prefill vs {push_s * 1e3:.0f} ms for a whole push: hidden {hidden:.2f}",
+    }
 
 
 def _name(engine: str, model: str, mode: Mode, pattern: Pattern) -> str:

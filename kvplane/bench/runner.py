@@ -36,6 +36,37 @@ def run(
     log_path: str,
     terminal: TextIO,
 ) -> list[BenchResult]:
+    start = time.monotonic()
+    results, failures = _run_all(backend, scenarios, quick, log_path)
+    elapsed = time.monotonic() - start
+    machine = machine_info(backend.label)
+    title = (f"kvplane bench - backend {backend.label}, {machine['cpus']} CPUs, {len(results)} rows in "
+             f"{elapsed:.0f} s" + (" (quick)" if quick else ""))
+    print(render(results, title), file=terminal)
+    for failure in failures:
+        print(f"FAILED {failure}", file=terminal)
+    print("", file=terminal)
+    if json_path:
+        write_json(json_path, machine, results)
+        print(f"results: {json_path}", file=terminal)
+    if plot_path:
+        if not plot_available():
+            print(f"plot: not drawn, matplotlib is missing ({PLOT_HINT})", file=terminal)
+        else:
+            from kvplane.bench.plot import plot
+
+            if plot(results, plot_path, title):
+                print(f"plot: {plot_path}", file=terminal)
+    print(f"engine logs: {log_path}", file=terminal)
+    terminal.flush()
+    if failures:
+        raise KvplaneError(f"{len(failures)} bench scenario(s) failed; tracebacks are in {log_path}")
+    return results
+
+
+def _run_all(backend: Backend, scenarios: list[Scenario], quick: bool, log_path: str
+             ) -> tuple[list[BenchResult], list[str]]:
+    """Every scenario, its output in the log: (the rows, the scenarios that raised, with their error)."""
     results: list[BenchResult] = []
     failures: list[str] = []
     start = time.monotonic()
@@ -70,27 +101,4 @@ def run(
         if live:
             out.write("\r\033[K")
         out.flush()
-    elapsed = time.monotonic() - start
-    machine = machine_info(backend.label)
-    title = (f"kvplane bench - backend {backend.label}, {machine['cpus']} CPUs, {len(results)} rows in "
-             f"{elapsed:.0f} s" + (" (quick)" if quick else ""))
-    print(render(results, title), file=terminal)
-    for failure in failures:
-        print(f"FAILED {failure}", file=terminal)
-    print("", file=terminal)
-    if json_path:
-        write_json(json_path, machine, results)
-        print(f"results: {json_path}", file=terminal)
-    if plot_path:
-        if not plot_available():
-            print(f"plot: not drawn, matplotlib is missing ({PLOT_HINT})", file=terminal)
-        else:
-            from kvplane.bench.plot import plot
-
-            if plot(results, plot_path, title):
-                print(f"plot: {plot_path}", file=terminal)
-    print(f"engine logs: {log_path}", file=terminal)
-    terminal.flush()
-    if failures:
-        raise KvplaneError(f"{len(failures)} bench scenario(s) failed; tracebacks are in {log_path}")
-    return results
+    return results, failures
