@@ -19,13 +19,15 @@ tier off with one warning; once ``retry_after_s`` has passed and the monitor rep
 on. A call that timed out may still be running: the caller keeps the host blocks it reads or writes pinned until
 its future completes (``StoreWrite.done``), so a late transfer never sees a reused block. Puts the store refuses
 (a full segment) are counted in ``refused`` and logged once per stretch, not once each.
+
+What the tier must know about the client apart from its calls (the return codes, importing it, the probe
+before setup, abandoning it) is in ``store_client.py``; the refusal count and its log are in
+``store_refusals.py``. Both are importable from here as before.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -40,47 +42,34 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvplane.flows.offload.config import StoreConfig
-from kvplane.flows.offload.errors import OffloadConfigError, StoreError
-from kvplane.logs import quiet_engine_logs
+from kvplane.flows.offload.store_client import (
+    INVALID_PARAMS,
+    MASTER_UNREACHABLE,
+    MIN_SEGMENT_BYTES,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_NOT_FOUND,
+    PROBE_FRESH_S,
+    RPC_FAIL,
+    RPC_TIMEOUT,
+    UNANSWERED,
+    _abandon,
+    _load_client_class,
+    check_segment,
+    master_unreachable,
+)
+from kvplane.flows.offload.store_refusals import REFUSAL_LOG_EVERY_S, RefusalLog
 from kvplane.metrics import recorder
 from kvplane.runtime import Executor
 
 logger = logging.getLogger("kvplane.offload.store")
 
+__all__ = ["INVALID_PARAMS", "MASTER_UNREACHABLE", "MIN_SEGMENT_BYTES", "NO_AVAILABLE_HANDLE", "OBJECT_NOT_FOUND",
+           "PROBE_FRESH_S", "REFUSAL_LOG_EVERY_S", "RPC_FAIL", "RPC_TIMEOUT", "UNANSWERED", "StoreTier", "StoreWrite",
+           "check_segment", "leading"]
+
 T = TypeVar("T")
-# Mooncake's ErrorCode values the tier tells apart (mooncake-store types.h; seen from the 0.3.13 wheel here)
-NO_AVAILABLE_HANDLE = -200  # put: no segment has room for the object; the block stays host-only
-INVALID_PARAMS = -600  # get: the destination is smaller than the object
-OBJECT_NOT_FOUND = -704  # get: a key the store does not hold; a miss, not a failure
-RPC_FAIL = -900  # any call: the master did not answer (killed, restarting, network down)
-RPC_TIMEOUT = -901  # any call: the master took the connection but did not answer in time (stopped, overloaded)
-UNANSWERED = frozenset({RPC_FAIL, RPC_TIMEOUT})  # either turns the tier off: the master does not answer
-MASTER_UNREACHABLE = -10_000  # kvplane's own: setup was not tried, the master accepts no connection
-MIN_SEGMENT_BYTES = 16 << 20  # the real client refuses a smaller segment (setup -600, "Total size must be at least")
-REFUSAL_LOG_EVERY_S = 60.0  # while puts keep being refused, one summary line per this many seconds
-PROBE_FRESH_S = 30.0  # a master that answered a probe this recently is set up against without another probe
-_answered: dict[str, float] = {}  # master address -> when it last answered a probe (time.monotonic())
-# the probe: a real client in a child process sets up against the master (no segment of its own) and exits; a
-# master that takes the connection and never answers freezes that child, not this process
-_PROBE = (
-    "import os, sys\n"
-    "from mooncake.store import MooncakeDistributedStore\n"
-    "c = MooncakeDistributedStore()\n"
-    "rc = c.setup(sys.argv[1], 'P2PHANDSHAKE', 0, 1 << 20, 'tcp', '', sys.argv[2])\n"
-    "os._exit(0 if rc == 0 else 3)  # no close: it lent nothing, and closing costs the wait a probe saves\n"
-)
-_PARKED = threading.Event()  # never set: abandoned clients wait on it with the daemon threads that hold them
-
-
-def _hold(client: Any) -> None:
-    _PARKED.wait()
-
-
-def _abandon(client: Any) -> None:
-    """Keep an unreachable client referenced without ever destroying it: its destructor retries the dead master
-    for seconds (seen: about 5 s per client, at interpreter exit too). A daemon thread's frame is not freed at
-    exit, so a process with an abandoned client still ends at once."""
-    threading.Thread(target=_hold, args=(client,), name="kvplane-store-abandoned", daemon=True).start()
+# master address -> when it last answered a probe (time.monotonic()); store_client.probe_master reads and writes it
+_answered: dict[str, float] = {}
 
 
 @dataclass
@@ -92,29 +81,6 @@ class StoreWrite:
     group: int
     host_ids: Any  # numpy int64 ids, released by the engine once done
     nbytes: int
-
-
-def _load_client_class() -> Any:
-    quiet_engine_logs()
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as e:
-        raise StoreError(
-            f"the store tier needs Mooncake Store, which does not import here ({e}); install "
-            f"`mooncake-transfer-engine-non-cuda` (CPU) or `mooncake-transfer-engine` (CUDA), never both, or "
-            f"run without OffloadConfig.store"
-        ) from e
-    return MooncakeDistributedStore
-
-
-def check_segment(config: StoreConfig) -> None:
-    """Raise when Mooncake would refuse ``segment_bytes`` at setup (it says so only in its own log, -600)."""
-    if 0 < config.segment_bytes < MIN_SEGMENT_BYTES:
-        raise OffloadConfigError(
-            f"StoreConfig.segment_bytes={config.segment_bytes} is under the {MIN_SEGMENT_BYTES} B (16 MiB) Mooncake "
-            f"Store takes for a segment (its setup fails with -600); give at least 16 MiB, or 0 to lend no memory "
-            f"and use the segments other clients lend"
-        )
 
 
 class StoreTier:
@@ -136,13 +102,7 @@ class StoreTier:
         self._health: tuple[bool, str] = (True, "")  # (healthy, why not): written by the monitor thread only
         self._stop = threading.Event()
         self.degradations = 0  # how many times the tier turned itself off (reports and tests)
-        # puts the store refused, by Mooncake return code (NO_AVAILABLE_HANDLE: no segment had room), since start
-        self.refused: Counter[int] = Counter()
-        self.refusal_log_every_s = REFUSAL_LOG_EVERY_S
-        self._refusing_since: float | None = None  # the first refusal of the stretch now running
-        self._refusal_logged_at = self._last_refusal = 0.0
-        self._refused_unlogged: Counter[int] = Counter()  # refused since the stretch's last line
-        self._refused_in_stretch = 0
+        self._refusals = RefusalLog(config)  # puts the store refused (a full segment): counted, logged per stretch
         # the real binding's setup holds the GIL until it gives up on a master that does not answer (about 90 s):
         # no timeout can cut it short, the whole process stands still. So a master that does not accept a TCP
         # connection is never set up against; such a setup is tried again (on the query executor, waited on by
@@ -172,6 +132,21 @@ class StoreTier:
         """The ``MooncakeDistributedStore`` this tier drives (the bench calls it directly as its baseline)."""
         return self._client
 
+    @property
+    def refused(self) -> Counter[int]:
+        """Puts the store refused, by Mooncake return code (``NO_AVAILABLE_HANDLE``: no segment had room), since
+        start."""
+        return self._refusals.refused
+
+    @property
+    def refusal_log_every_s(self) -> float:
+        """While puts keep being refused, one summary line per this many seconds (``REFUSAL_LOG_EVERY_S``)."""
+        return self._refusals.every_s
+
+    @refusal_log_every_s.setter
+    def refusal_log_every_s(self, seconds: float) -> None:
+        self._refusals.every_s = seconds
+
     # -- health -------------------------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
@@ -198,54 +173,13 @@ class StoreTier:
     def _run_setup(self) -> int:
         c = self.config
         if self._probe:
-            host, _, port = c.master_address.rpartition(":")
-            try:
-                socket.create_connection((host, int(port)), timeout=c.setup_timeout_s).close()
-            except OSError as e:
-                self._unreachable = (
-                    f"mooncake_master at StoreConfig.master_address={c.master_address!r} does not accept connections "
-                    f"({e}); start it there or fix the address (setup is tried again every {c.retry_after_s:g} s)"
-                )
-                return MASTER_UNREACHABLE
-            silent = self._probe_master()
-            if silent:
-                self._unreachable = silent
+            why = master_unreachable(c, _answered, sys.executable)
+            if why:
+                self._unreachable = why
                 return MASTER_UNREACHABLE
         self._setup_called = True
         return int(self._client.setup(c.local_hostname, c.metadata_server, c.segment_bytes, c.local_buffer_bytes,
                                       c.protocol, c.device_name, c.master_address))
-
-    def _probe_master(self) -> str:
-        """Why the master cannot be set up against, or "" when a real client's setup in a child process finished
-        against it within ``setup_timeout_s`` (or one did less than ``PROBE_FRESH_S`` ago). The binding's setup
-        holds the GIL until the master answers: against a master that takes the connection and never answers
-        (stopped, wedged), it would freeze this whole process for about 90 s."""
-        c = self.config
-        if time.monotonic() - _answered.get(c.master_address, -PROBE_FRESH_S) < PROBE_FRESH_S:
-            return ""
-        try:
-            child = subprocess.Popen([sys.executable, "-c", _PROBE, c.local_hostname, c.master_address],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        except OSError as e:  # no interpreter to run it (an embedded Python): set up unprobed, as before the probe
-            logger.warning("cannot start the probe of mooncake_master at %s with sys.executable=%r (%s); setting up "
-                           "without it (a master that never answers would freeze this process)", c.master_address,
-                           sys.executable, e)
-            return ""
-        try:
-            rc = child.wait(c.setup_timeout_s / 2)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-            return (f"mooncake_master at StoreConfig.master_address={c.master_address!r} accepts connections but a "
-                    f"client's setup got no answer in {c.setup_timeout_s / 2:g} s (half of StoreConfig.setup_timeout_s="
-                    f"{c.setup_timeout_s:g}); check that the process there is a live mooncake_master (setup is tried "
-                    f"again every {c.retry_after_s:g} s)")
-        if rc != 0:
-            return (f"a probe client's setup against mooncake_master at StoreConfig.master_address="
-                    f"{c.master_address!r} failed (exit code {rc}); check the master's log and that this host can "
-                    f"reach it (setup is tried again every {c.retry_after_s:g} s)")
-        _answered[c.master_address] = time.monotonic()
-        return ""
 
     def _setup_ok(self) -> bool:
         return self._setup.done() and self._setup.exception() is None and self._setup.result() == 0
@@ -382,48 +316,8 @@ class StoreTier:
             self._degrade(f"batch_put_from returned {lost} (RPC_FAIL {RPC_FAIL}, RPC_TIMEOUT {RPC_TIMEOUT}): the "
                           f"master does not answer")
         else:
-            self._note_refusals(write.future.result())
+            self._refusals.note(write.future.result())
         return True
-
-    def _hint(self, refused: Counter[int]) -> str:
-        if NO_AVAILABLE_HANDLE in refused:
-            return (f"{NO_AVAILABLE_HANDLE} means no segment has room: raise StoreConfig.segment_bytes="
-                    f"{self.config.segment_bytes} or start more clients that lend memory")
-        return "see Mooncake's log for what the codes mean"
-
-    def _note_refusals(self, codes: Sequence[int]) -> None:
-        """Count refused puts and log them once per stretch: its first refusal, then one line per
-        ``refusal_log_every_s`` while they go on, and one when a put is taken with none refused for that long.
-        A full segment under write-through refuses nearly every put (the master's eviction frees a few objects
-        now and then, so taken puts come in between: they do not end the stretch)."""
-        refused = Counter(rc for rc in codes if rc < 0)
-        now = time.monotonic()
-        every = self.refusal_log_every_s
-        if not refused:
-            if self._refusing_since is not None and codes and now - self._last_refusal >= every:
-                logger.warning("Mooncake store at %s takes puts again (none refused for %g s), after refusing %d in "
-                               "%.1f s", self.config.master_address, every, self._refused_in_stretch,
-                               self._last_refusal - self._refusing_since)
-                self._refusing_since = None
-            return
-        self.refused.update(refused)
-        self._last_refusal = now
-        if self._refusing_since is None:
-            self._refusing_since, self._refusal_logged_at = now, now
-            self._refused_in_stretch, self._refused_unlogged = refused.total(), Counter()
-            logger.warning(
-                "Mooncake store at %s refused %d put(s) (codes %s); those blocks stay host-only. Further refusals "
-                "are counted (StoreTier.refused) and logged every %g s until puts are taken again; %s",
-                self.config.master_address, refused.total(), _codes(refused), every, self._hint(refused),
-            )
-            return
-        self._refused_in_stretch += refused.total()
-        self._refused_unlogged.update(refused)
-        if now - self._refusal_logged_at >= every:
-            logger.warning("Mooncake store at %s refused %d more put(s) in the last %.0f s (codes %s); %s",
-                           self.config.master_address, self._refused_unlogged.total(), now - self._refusal_logged_at,
-                           _codes(self._refused_unlogged), self._hint(self._refused_unlogged))
-            self._refusal_logged_at, self._refused_unlogged = now, Counter()
 
     def get(
         self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
@@ -465,10 +359,6 @@ class StoreTier:
                 return
         self._query.close(wait=False)
         _abandon(self._client)
-
-
-def _codes(refused: Counter[int]) -> str:
-    return ", ".join(f"{rc} x{n}" for rc, n in sorted(refused.items()))
 
 
 def leading(found: Sequence[bool]) -> int:
