@@ -17,7 +17,10 @@ Who calls what (the engine's thread; the vLLM connector wraps these):
   verdict but wait for the fence.
 
 Each request is a pure state machine (``decode_request.DecodeRequest``): this class routes every message, timer
-and engine call to the request's machine and carries out the actions it returns (``_run``).
+and engine call to the request's machine and carries out the actions it returns (``DecodeShell._run``). This
+module holds the engine-facing calls and the building of the side; its parts on the I/O loop are its mixins:
+the connections to the prefill ranks and their handshakes (``decode_conns.py``), and the shell around the
+requests' machines (``decode_shell.py``).
 
 The fence: a request is reported only once no transfer of the engine's can write its blocks.
 A READ that timed out while the engine still has it queued (a link that is down) makes the transfer thread
@@ -39,64 +42,39 @@ import logging
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
-from functools import partial
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
 import numpy as np
-import zmq
 
 from kvplane.backend.base import Backend
 from kvplane.blocks.groups import PerGroup
-from kvplane.errors import KvplaneError, TransferTimeout
 from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.declines import PendingDeclines
-from kvplane.flows.disagg.decode_actions import (
-    Action,
-    Fence,
-    GiveStaging,
-    MarkStale,
-    Relayout,
-    Report,
-    Send,
-    Start,
-)
-from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase, RankView
+from kvplane.flows.disagg.decode_conns import RETRY_FIRST_S, RETRY_MAX_S
+from kvplane.flows.disagg.decode_request import DecodeRequest, Ident
+from kvplane.flows.disagg.decode_shell import DecodeShell
 from kvplane.flows.disagg.decode_start import Starter
-from kvplane.flows.disagg.errors import DisaggError, RelayoutError
+from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.loop import IOLoop
-from kvplane.flows.disagg.messages import (
-    MAX_HEARTBEAT_IDS,
-    Cancel,
-    Handshake,
-    Heartbeat,
-    Message,
-    Problem,
-    PushResult,
-    Reject,
-)
 from kvplane.flows.disagg.mover import Mover
 from kvplane.flows.disagg.params import TransferParams
-from kvplane.flows.disagg.peers import Prober, check_hello, record
+from kvplane.flows.disagg.peers import Prober
 from kvplane.flows.disagg.published import Published
 from kvplane.flows.disagg.records import Conn, Want
-from kvplane.flows.disagg.results import Completion, State
-from kvplane.flows.disagg.side import SideLifecycle
+from kvplane.flows.disagg.results import Completion
 from kvplane.kv.binding import LayoutChoice
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
-from kvplane.metrics import recorder
 from kvplane.metrics.watch import watch_side
 
+__all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "DecodeSide"]
 logger = logging.getLogger("kvplane.disagg")
-RETRY_FIRST_S = 0.5  # a failed handshake with a rank that declines wait for is tried again after this, doubling
-RETRY_MAX_S = 30.0
 
 
-class DecodeSide(SideLifecycle):
+class DecodeSide(DecodeShell):
     def __init__(
         self,
         backend: Backend,
@@ -234,308 +212,3 @@ class DecodeSide(SideLifecycle):
     def _submit(self, want: Want) -> None:
         self._active.add(want.request_id)
         self._loop.submit(lambda: self._add(want))
-
-    # -- loop: requests -----------------------------------------------------------------------------------
-    def _publish(self) -> None:
-        self._out.draining = sum(1 for w in self._wants.values() if w.machine.phase is Phase.DRAINING)
-        self._out.publish(self._mover.moving)
-
-    def _add(self, want: Want) -> None:
-        rid, key = want.request_id, (want.params.remote_engine_id, want.params.remote_request_id)
-        other = self._by_remote.get(key)
-        if other is not None:  # the prefill's replies name only its request id: two receivers could not tell theirs
-            self._report(want, "failed", f"prefill request {key[1]!r} of {key[0]!r} is already being received by "
-                                         f"request {other!r} on this rank; forward its kv_transfer_params once")
-            return
-        self._wants[rid] = want
-        self._by_remote[(want.params.remote_engine_id, want.params.remote_request_id)] = rid
-        p = want.params
-        for rank in range(p.tp_size):
-            self._declines.discard((p.remote_host, p.remote_port + rank), p.remote_request_id)
-            conn = self._conn(p.remote_host, p.remote_port + rank, rank, p.remote_boot_id if want.mode == "pull" else "")
-            conn.waiting.add(rid)
-            want.conns.append(conn)
-        self._connections(want)
-
-    def _conn(self, host: str, port: int, rank: int, boot_id: str) -> Conn:
-        """The connection to one prefill rank; a new handshake when there is none, it failed, or the rank's
-        lifetime differs from the one a request names (it restarted)."""
-        conn = self._conns.get((host, port))
-        other_lifetime = conn is not None and conn.state == "ready" and boot_id and conn.record is not None \
-            and conn.record.boot_id != boot_id
-        # again on the same socket: the prefill takes a second connection under our name only once the first is
-        # gone (a close races the new handshake), and replacing our record fails our requests in flight there
-        if conn is not None and conn.state == "ready" and \
-                (conn.stale or conn.generation != self.local.transport.generation or other_lifetime):
-            self._rehandshake(conn)
-        if conn is None or conn.state == "failed":
-            # a failed handshake (one that timed out while the prefill stalled, say) is tried again on the same
-            # socket: the prefill knows this rank by the ZMQ connection it handshook on, and a second connection
-            # under this rank's name is refused while the first lives or its handshake is still being checked
-            sock = conn.socket if conn is not None else \
-                channel.dealer(self._loop.context, host, port, self.config.max_message_bytes, self._guard.client,
-                               self.config.peer_timeout_s)
-            conn = Conn(host, port, rank, sock, time.monotonic())
-            self._conns[(host, port)] = conn
-            self._loop.watch(sock, partial(self._on_readable, conn))  # replaces the failed record's handler
-            self._hello(conn)
-        return conn
-
-    def _hello(self, conn: Conn) -> None:
-        """Send this rank's handshake on ``conn`` under a new number; an answer to an earlier one is dropped."""
-        hello = self.local.handshake()  # made again (and the engine started again) after a reset
-        conn.deferred = self.local.generation != self.local.transport.generation
-        if conn.deferred:  # the engine is down since a reset: _check_deadlines sends it once it runs (the old
-            return  # descriptor names an engine that is gone, so the prefill would refuse it)
-        conn.generation = self.local.generation
-        conn.attempt, conn.answered = next(self._attempts), False
-        channel.send(conn.socket, msgspec.structs.replace(hello, attempt=conn.attempt), self.counters)
-
-    def _rehandshake(self, conn: Conn) -> None:
-        """A transport was reset since this connection handshook, or a request names another lifetime of the
-        prefill rank: handshake again on the same socket, so the prefill rank loads this rank's new descriptor and
-        this rank its (either may have changed)."""
-        conn.stale, conn.state, conn.started = False, "handshaking", time.monotonic()
-        conn.deferred = self.local.generation != self.local.transport.generation
-        if conn.deferred:  # this rank's engine is not running again yet: _check_deadlines sends it then
-            return
-        logger.warning("decode rank %d: handshaking again with prefill rank %d at %s:%d (a transport was reset, or "
-                       "a request names another lifetime of it)",
-                       self.config.rank, conn.rank, conn.host, conn.port)
-        self._hello(conn)
-
-    def _on_reset(self, why: str) -> None:
-        for conn in self._conns.values():
-            if conn.state == "ready":
-                conn.stale = True
-
-    def _connections(self, want: Want) -> None:
-        """Show the request's machine its connections as they are now."""
-        views = {}
-        for conn in want.conns:
-            state: Literal["waiting", "ready", "failed"] = \
-                "ready" if conn.state == "ready" else "failed" if conn.state == "failed" else "waiting"
-            who = (conn.record.engine_id, conn.record.boot_id) if conn.record is not None else ("", "")
-            views[conn.rank] = RankView(state, f"{conn.host}:{conn.port}", conn.error, *who)
-        self._run(want, want.machine.connections(views))
-
-    def _start(self, want: Want) -> None:
-        for conn in want.conns:
-            conn.waiting.discard(want.request_id)
-        try:
-            ranks = self._starter.start(want)
-        except KvplaneError as e:  # nothing was submitted: the prefill ranks are told, so they free it now
-            self._run(want, want.machine.cannot_plan(str(e)))
-            return
-        machine = want.machine
-        if machine.phase is Phase.CONNECT and machine.verdict is None:
-            self._run(want, machine.no_room() if ranks is None else machine.started(sorted(ranks)))
-
-    def _moved(self, want: Want, rank: int, error: KvplaneError | None) -> None:
-        """A READ's callback from the transfer thread, on the loop."""
-        self._run(want, want.machine.transfer_ended(rank, "" if error is None else str(error),
-                                                    isinstance(error, TransferTimeout),
-                                                    local=isinstance(error, RelayoutError)))
-
-    def _decline(self, p: TransferParams) -> None:
-        cancel = Cancel(p.remote_request_id, self.config.engine_id, self.config.rank, p.kvplane_token)
-        for rank in range(p.tp_size):
-            conn = self._conn(p.remote_host, p.remote_port + rank, rank, p.remote_boot_id)
-            if conn.state == "ready":
-                channel.send(conn.socket, cancel, self.counters)
-            else:  # sent with the next handshake with that rank that succeeds (a failed one keeps it)
-                self._declines.add((conn.host, conn.port), cancel, time.monotonic(), p.remote_boot_id)
-
-    def _on_abort(self, request_id: str) -> None:
-        want = self._wants.get(request_id)
-        if want is not None:
-            self._run(want, want.machine.abort())
-
-    # -- loop: actions ------------------------------------------------------------------------------------
-    def _run(self, want: Want, actions: list[Action]) -> None:
-        """Carry out what the request's machine asked for, in order."""
-        for action in actions:
-            if isinstance(action, Send):
-                conn = want.conns[action.rank]
-                if not action.ready_only or (conn.state == "ready" and conn.record is not None):
-                    channel.send(conn.socket, action.message, self.counters)
-                elif action.later and isinstance(action.message, Cancel):  # with the rank's next good handshake
-                    boot = want.params.remote_boot_id if want.mode == "pull" else ""  # a pull's: that lifetime's
-                    self._declines.add((conn.host, conn.port), action.message, time.monotonic(), boot)
-            elif isinstance(action, Start):
-                self._start(want)
-            elif isinstance(action, Relayout):
-                try:
-                    self._starter.relayout(want)
-                    error = ""
-                except Exception as e:  # a re-layout that fails leaves the blocks untrustworthy
-                    error = repr(e)
-                self._run(want, want.machine.relaid_out(error))
-            elif isinstance(action, Fence):
-                self._mover.fence(partial(self._fenced, want), action.reason)
-            elif isinstance(action, MarkStale):
-                conn = want.conns[action.rank]
-                if conn.state == "ready":
-                    conn.stale = True  # the prefill's engine may have been reset: learn its descriptor again
-            elif isinstance(action, GiveStaging):
-                for offset, _, _ in want.staged:
-                    self.local.arena.give(offset)
-                want.staged.clear()
-            elif isinstance(action, Report):
-                self._report(want, action.state, action.reason)
-            else:
-                logger.log(action.level, "decode rank %d: %s", self.config.rank, action.text)
-
-    def _fenced(self, want: Want) -> None:
-        self._run(want, want.machine.fenced())
-
-    def _report(self, want: Want, state: State, reason: str) -> None:
-        for conn in want.conns:
-            conn.waiting.discard(want.request_id)
-        if self._wants.get(want.request_id) is want:
-            del self._wants[want.request_id]
-            key = (want.params.remote_engine_id, want.params.remote_request_id)
-            if self._by_remote.get(key) == want.request_id:
-                del self._by_remote[key]
-        failed, skipped = want.split(self.spec)
-        if state != "done":
-            logger.warning("decode rank %d: request %s %s (%s)", self.config.rank, want.request_id, state, reason)
-        recorder().request_ended(self.config.mode if want.mode == "push" else want.mode, state)  # push/layerwise
-        self._out.add(Completion(want.request_id, state, {} if state == "done" else failed, reason, skipped))
-
-    # -- loop: messages -----------------------------------------------------------------------------------
-    def _on_readable(self, conn: Conn, sock: zmq.Socket[bytes]) -> None:
-        self._receive(sock, False, lambda _, __, message: self._dispatch(conn, message))
-
-    def _dispatch(self, conn: Conn, message: Message) -> None:
-        if isinstance(message, Handshake | Reject) and (message.attempt != conn.attempt or conn.answered):
-            logger.info("decode rank %d: prefill rank at %s:%d answered handshake %d (%s) after handshake %d was "
-                        "sent; dropped", self.config.rank, conn.host, conn.port, message.attempt,
-                        type(message).__name__, conn.attempt)
-        elif isinstance(message, Handshake | Reject) and conn.state == "handshaking" and \
-                conn.generation != self.local.transport.generation:
-            # it answers a handshake that named this rank's engine before a reset (sent before it, or a retry
-            # sent meanwhile): whatever the verdict, it is about a descriptor that is gone; ask again with the new
-            conn.answered = True
-            self._rehandshake(conn)
-        elif isinstance(message, Handshake):
-            self._on_handshake(conn, message)
-        elif isinstance(message, Reject):
-            conn.answered = True
-            if conn.state in ("handshaking", "probing"):
-                self._conn_failed(conn, f"the prefill rank rejected the handshake: {message.reason}")
-        elif isinstance(message, PushResult | Problem):
-            engine = conn.record.engine_id if conn.record is not None else ""
-            rid = self._by_remote.get((engine, message.request_id))
-            want = self._wants.get(rid) if rid is not None else None
-            if want is None:  # a late word for a request already reported
-                if message.request_id:  # not a connection check
-                    logger.info("decode rank %d: %s for request %s of %s came after the request was reported; "
-                                "dropped", self.config.rank, type(message).__name__, message.request_id, engine)
-                return
-            if message.rank != conn.rank or all(c.socket is not conn.socket for c in want.conns):
-                self.counters.rejected += 1
-                logger.warning("decode rank %d: %s for request %s names prefill rank %d but came on the connection to "
-                               "rank %d at %s:%d, which the request does not use for it; dropped", self.config.rank,
-                               type(message).__name__, message.request_id, message.rank, conn.rank, conn.host,
-                               conn.port)
-                return
-            self._run(want, want.machine.problem(conn.rank, message.reason) if isinstance(message, Problem)
-                      else want.machine.push_result(conn.rank, message.ok, message.reason))
-        else:
-            self.counters.rejected += 1
-            logger.warning("decode rank %d: %s is not a message a decode rank takes; dropped", self.config.rank,
-                           type(message).__name__)
-
-    def _on_handshake(self, conn: Conn, hello: Handshake) -> None:
-        """The answer to ``conn``'s latest handshake: also when that one timed out (the prefill stalled), since
-        the prefill took it, and declines may wait for the rank."""
-        if conn.state not in ("handshaking", "failed"):
-            return
-        conn.answered, conn.started = True, time.monotonic()
-        try:
-            manifest, info = check_hello(self.local, hello, expect_role="prefill")
-            if hello.rank != conn.rank:
-                raise DisaggError(f"{conn.host}:{conn.port} answered as rank {hello.rank}, expected rank {conn.rank}")
-        except KvplaneError as e:
-            self._conn_failed(conn, str(e))
-            return
-
-        def connected(handle: str, error: str) -> None:
-            if conn.state != "probing":
-                return
-            if error:
-                self._conn_failed(conn, f"its transport does not answer: {error}")
-                return
-            conn.record, conn.state, conn.retry_at = record(hello, manifest, info, handle), "ready", float("inf")
-            self._failures.pop((conn.host, conn.port), None)
-            self._conn_ready(conn)
-
-        conn.state = "probing"
-        if not self._prober.connect(info, connected):
-            self._conn_failed(conn, "too many transports being connected at once")
-
-    def _conn_ready(self, conn: Conn) -> None:
-        boot = conn.record.boot_id if conn.record is not None else ""
-        for cancel in self._declines.take((conn.host, conn.port), time.monotonic(), boot):
-            channel.send(conn.socket, cancel, self.counters)
-        for rid in list(conn.waiting):
-            want = self._wants.get(rid)
-            if want is not None:
-                self._connections(want)
-
-    def _conn_failed(self, conn: Conn, reason: str) -> None:
-        conn.state, conn.error, conn.deferred = "failed", reason, False  # its declines wait for the next one
-        failures = self._failures[(conn.host, conn.port)] = self._failures.get((conn.host, conn.port), 0) + 1
-        conn.retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** min(failures - 1, 16))
-        logger.warning("decode rank %d: prefill rank at %s:%d: %s", self.config.rank, conn.host, conn.port, reason)
-        for rid in list(conn.waiting):
-            want = self._wants.get(rid)
-            if want is not None:
-                self._connections(want)
-        conn.waiting.clear()
-
-    # -- loop: time ---------------------------------------------------------------------------------------
-    def _tick(self) -> float:
-        now = time.monotonic()
-        self._prober.expire(now)
-        if now >= self._next_check:
-            self._next_check = now + 0.02
-            self._check_deadlines(now)
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.config.heartbeat_s
-            self._heartbeat()
-        return 0.02
-
-    def _check_deadlines(self, now: float) -> None:
-        for conn in list(self._conns.values()):
-            if conn.deferred and conn.state == "handshaking":
-                self.local.handshake()  # made again once the engine runs
-                if self.local.generation == self.local.transport.generation:
-                    conn.deferred = False
-                    self._rehandshake(conn)
-            if conn.state in ("handshaking", "probing") and now - conn.started > self.config.handshake_timeout_s:
-                self._conn_failed(conn, "this rank's transfer engine did not start again after a reset within "
-                                        f"handshake_timeout_s={self.config.handshake_timeout_s}" if conn.deferred
-                                  else f"no answer to the handshake within {self.config.handshake_timeout_s} s; "
-                                       f"is the prefill instance running and reachable?")
-        for where in self._declines.waiting(now):  # tell ranks a request was given up as soon as they answer
-            failed = self._conns.get(where)
-            if failed is not None and failed.state == "failed" and now >= failed.retry_at:
-                failed.retry_at = float("inf")
-                self._conn(failed.host, failed.port, failed.rank, "")
-        for want in list(self._wants.values()):
-            self._run(want, want.machine.tick(now))
-
-    def _heartbeat(self) -> None:
-        by_conn: dict[tuple[str, int], list[tuple[str, str]]] = {}
-        for want in self._wants.values():
-            for send in want.machine.heartbeat():
-                conn = want.conns[send.rank]
-                if conn.state == "ready" and isinstance(send.message, Heartbeat):
-                    by_conn.setdefault((conn.host, conn.port), []).extend(send.message.requests)
-        for key, requests in by_conn.items():
-            for start in range(0, len(requests), MAX_HEARTBEAT_IDS):
-                channel.send(self._conns[key].socket, Heartbeat(self.config.engine_id, self.config.rank,
-                                                                requests[start : start + MAX_HEARTBEAT_IDS]),
-                             self.counters)

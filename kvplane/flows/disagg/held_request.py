@@ -4,7 +4,7 @@ one ``Completion``.
 ``PrefillSide`` (the shell) feeds it one event per call: the engine handed the request over (``start``,
 ``finish``), a layer was saved, the engine aborted it, a decode rank's ``ReadDone``/``PushRegister``/``Cancel``/
 ``Heartbeat``, a write to a target ended, a peer was forgotten, ``tick(now)``. Each call returns the actions the
-shell carries out, in order: ``Send`` a message to a peer, ``Prepare`` the per-layer plans of a target,
+shell carries out, in order (``held_actions.py``): ``Send`` a message to a peer, ``Prepare`` the per-layer plans of a target,
 ``Write`` layers to a target (the shell's ``Pusher`` plans and hands them to the transfer thread, and calls
 ``write_ended`` once they landed), ``Registered`` (a push registration stands), ``Release`` with the request's
 ``Completion``, or ``Drop`` (word about a request the engine never handed over expired). No I/O and no clock
@@ -12,69 +12,31 @@ read in here: the time is an argument.
 
 Whose word counts is ``ownership.py``'s rules on the ``Held`` record this machine keeps. The machine releases
 a request once nothing more can happen to its blocks: exactly once, ``done`` only when every decode rank of the
-owner instance read or received every layer this rank owes it. ``TRANSITIONS`` lists every phase change the
-machine makes; docs/disagg.md draws it (``render_transitions``) and a unit test checks both agree.
+owner instance read or received every layer this rank owes it. ``TRANSITIONS`` (``held_phases.py``) lists every
+phase change the machine makes; docs/disagg.md draws it (``render_transitions``) and a unit test checks both
+agree. The actions and phases are re-exported here, so the machine's users import them from this module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 from kvplane.blocks.groups import Ids
 from kvplane.flows.disagg import ownership
+from kvplane.flows.disagg.held_actions import Action, Drop, Prepare, Registered, Release, Send, Write
+from kvplane.flows.disagg.held_phases import TERMINAL, TRANSITIONS, Phase, render_transitions
 from kvplane.flows.disagg.messages import Problem, PushRegister, PushResult
 from kvplane.flows.disagg.peers import PeerRecord
 from kvplane.flows.disagg.records import Held, Target
 from kvplane.flows.disagg.results import Completion, State
 from kvplane.flows.disagg.tokens import same_token
 
+__all__ = ["TERMINAL", "TRANSITIONS", "WRITES_PER_TARGET", "Action", "Drop", "HeldRequest", "Key", "Phase",
+           "Prepare", "Registered", "Release", "Send", "Terms", "Write", "render_transitions"]
+
 Key = ownership.Key
-
-
-class Phase(Enum):
-    EARLY = "early"  # the engine has not handed the request over (a decode rank's word came first)
-    COMPUTING = "computing"  # start_request (layer-wise): the prompt is computing; saved layers are pushed
-    HELD = "held"  # request_finished: the blocks are held for decode ranks to read or be pushed, under a lease
-    ABORTED = "aborted"  # the engine aborted it mid-prefill: released once the writes in flight ended
-    RELEASED = "released"  # its one Completion was issued; nothing more happens to it
-    DROPPED = "dropped"  # early word expired and the engine never handed it over: nothing of the engine's held
-
-
-TERMINAL = frozenset({Phase.RELEASED, Phase.DROPPED})
 # layer-wise push: writes in flight to one decode rank; layers saved meanwhile leave together when one ends
 WRITES_PER_TARGET = 2
-
-# Every phase change (from, event, to); events are the machine's method names.
-TRANSITIONS: frozenset[tuple[Phase, str, Phase]] = frozenset({
-    (Phase.EARLY, "start", Phase.COMPUTING),
-    (Phase.EARLY, "finish", Phase.HELD),
-    (Phase.EARLY, "finish", Phase.RELEASED),
-    (Phase.EARLY, "tick", Phase.DROPPED),
-    (Phase.COMPUTING, "finish", Phase.HELD),
-    (Phase.COMPUTING, "finish", Phase.RELEASED),
-    (Phase.COMPUTING, "abort", Phase.ABORTED),
-    (Phase.COMPUTING, "abort", Phase.RELEASED),
-    (Phase.ABORTED, "write_ended", Phase.RELEASED),
-    (Phase.HELD, "finish", Phase.RELEASED),
-    (Phase.HELD, "read_done", Phase.RELEASED),
-    (Phase.HELD, "register", Phase.RELEASED),
-    (Phase.HELD, "cancel", Phase.RELEASED),
-    (Phase.HELD, "write_ended", Phase.RELEASED),
-    (Phase.HELD, "plan_failed", Phase.RELEASED),
-    (Phase.HELD, "peer_lost", Phase.RELEASED),
-    (Phase.HELD, "tick", Phase.RELEASED),
-})
-
-
-def render_transitions() -> str:
-    """The transition table as the mermaid state diagram docs/disagg.md shows (sorted, one edge a line)."""
-    order = list(Phase)
-    edges = sorted(TRANSITIONS, key=lambda t: (order.index(t[0]), order.index(t[2]), t[1]))
-    lines = ["stateDiagram-v2", "    [*] --> EARLY: the first event (the engine's or a decode rank's)"]
-    lines += [f"    {a.name} --> {b.name}: {event}" for a, event, b in edges]
-    lines += ["    RELEASED --> [*]", "    DROPPED --> [*]"]
-    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -84,53 +46,6 @@ class Terms:
     rank: int  # this prefill rank, named in its replies
     lease_s: float  # a finished request is held this long past its last heartbeat
     push_timeout_s: float  # word about a request not handed over yet is kept this long
-
-
-# -- actions ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Send:
-    """Send ``message`` to the peer connection ``to`` (a ZMQ routing id)."""
-
-    to: bytes
-    message: PushResult | Problem
-
-
-@dataclass(frozen=True, eq=False)
-class Prepare:
-    """Build the per-layer WRITE plans of ``target`` now (layer-wise push), so saved layers go out at once;
-    a planning error comes back as ``plan_failed(target, reason)``."""
-
-    target: Target
-
-
-@dataclass(frozen=True, eq=False)
-class Write:
-    """Write ``layers`` of the request to ``target`` (one plan over all of them when ``whole``, else the
-    prepared per-layer plans); the shell calls ``write_ended(target, error)`` exactly once afterwards."""
-
-    target: Target
-    layers: tuple[str, ...]
-    whole: bool
-
-
-@dataclass(frozen=True)
-class Registered:
-    """A push registration for the request stands (``PrefillSide.push_registered``)."""
-
-
-@dataclass(frozen=True)
-class Release:
-    """The engine may free the request's blocks: report ``completion``."""
-
-    completion: Completion
-
-
-@dataclass(frozen=True)
-class Drop:
-    """Forget the request: only word from decode ranks was kept, and it expired (no completion)."""
-
-
-Action = Send | Prepare | Write | Registered | Release | Drop
 
 
 @dataclass
