@@ -1,7 +1,8 @@
 """What each side keeps per peer and per request while KV moves: the decode side's connections to prefill ranks
 (``Conn``) and requests it receives (``Want``: what the ``Starter`` needs, and the request's machine); the prefill
 side's requests it holds (``Held``) and the decode ranks each one is pushed to (``Target``). Plain records:
-``decode.py``, ``decode_conns.py`` and ``decode_shell.py`` (with ``decode_request.py``) and ``held_request.py`` (with ``ownership.py``) own their changes.
+``decode.py``, ``decode_conns.py`` and ``decode_shell.py`` (with ``decode_request.py``) and ``held_request.py``
+(with ``ownership.py``) own their changes.
 """
 
 from __future__ import annotations
