@@ -95,13 +95,13 @@ def test_the_periodic_line_of_a_long_stretch_counts_what_it_did_not_log(
             codes = fill(tier, "period", base, 30)
             tier.refusal_log_every_s = 0.0  # the interval has passed: the next refusal writes the summary
             last: list[int] = []
-            while last != [NO_AVAILABLE_HANDLE]:
+            while not any(rc < 0 for rc in last):  # any refusal writes the summary, whatever its code
                 assert len(codes) < 100, "the full segment never refused a put"
                 last = put_and_check(tier, f"store2/period/{len(codes)}", base, MiB)
                 codes += last
         lines = refusal_lines(caplog)
-        assert len(lines) == 2, lines
-        assert f"refused {codes.count(NO_AVAILABLE_HANDLE) - 1} more put(s)" in lines[1], (lines, codes)
+        assert len(lines) == 2, (lines, codes)
+        assert f"refused {sum(rc < 0 for rc in codes) - 1} more put(s)" in lines[1], (lines, codes)
         assert tier.refused[NO_AVAILABLE_HANDLE] == codes.count(NO_AVAILABLE_HANDLE)
     finally:
         tier.close()
