@@ -3,12 +3,15 @@ link that goes down mid-transfer. Run as root from the repository root:
 
     PYTHONPATH=.:tests/unit:tests/disagg:tests/netns python tests/netns/measure_pd.py pd [--tokens 10000]
     PYTHONPATH=.:tests/unit:tests/disagg:tests/netns python tests/netns/measure_pd.py linkdown
+    PYTHONPATH=.:tests/unit:tests/disagg:tests/netns python tests/netns/measure_pd.py first [--tokens 3000]
 
 ``pd``: a Qwen3-0.6B-shaped cache (28 layers, 8 KV heads of 128, bf16: 114,688 B a token), pull and push, Mooncake
 and NIXL; loopback runs both workers in one namespace on 127.0.0.1 (NIXL with UCX's default, cma, and with
 ``UCX_TLS=tcp``), the veth runs them in two (NIXL on TCP over the veth), then under a 1 Gbit tbf cap.
 ``linkdown``: the 64 MiB request of ``test_link_down.py`` under a 200 Mbit cap, the link cut 0.4 s in; link down
 to verdict, verdict to fence (the request reported), link up to the next request done.
+``first``: a pair's first request across the veth with no warm-up (handshake, transport connection and the
+engines' first transfer inside it), then a second one, per engine and mode (issue 28 finding 6).
 """
 
 from __future__ import annotations
@@ -74,6 +77,29 @@ def pd(tokens: int) -> None:
             print(f"{'veth, 1 Gbit tbf cap':24} {engine:8} pull: {s:.2f} s for {tokens} tokens", flush=True)
 
 
+def first(tokens: int, engines: list[str]) -> None:
+    for engine in engines:
+        for mode in ("push", "pull"):
+            with Link() as link, tempfile.TemporaryDirectory() as tmp:
+                blocks = -(-tokens // 16)
+                pair = Pair(link, Path(tmp), engine, mode, QWEN3_06B, blocks + 8, transfer_timeout_s=120.0,
+                            push_timeout_s=120.0, lease_s=300.0)
+                try:
+                    ids = list(range(blocks))
+                    took = []
+                    for rid in ("first", "second"):
+                        start = time.monotonic()
+                        pair.start(rid, ids, ids, tokens)
+                        done = pair.wait(rid, 200)
+                        assert done["state"] == "done", done
+                        took.append(float(done["at"]) - start)
+                    assert pair.same_bytes(ids, ids, tokens)
+                    print(f"{engine:8} {mode}: first request {took[0]:.2f} s, second {took[1]:.2f} s for {tokens} "
+                          f"tokens", flush=True)
+                finally:
+                    pair.close()
+
+
 def linkdown(engines: list[str], keep: Path | None) -> None:
     from test_link_down import BLOCKS, FAST, SPEC, TOKENS, cut_mid_transfer, wait_for
 
@@ -103,12 +129,14 @@ def linkdown(engines: list[str], keep: Path | None) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["pd", "linkdown"])
-    parser.add_argument("--tokens", type=int, default=10_000)
+    parser.add_argument("what", choices=["pd", "linkdown", "first"])
+    parser.add_argument("--tokens", type=int)
     parser.add_argument("--engine", action="append", choices=["mooncake", "nixl"])
     parser.add_argument("--keep-logs", type=Path, help="copy the workers' logs here")
     args = parser.parse_args()
     if args.what == "pd":
-        pd(args.tokens)
+        pd(args.tokens or 10_000)
+    elif args.what == "first":
+        first(args.tokens or 3000, args.engine or ["nixl", "mooncake"])
     else:
         linkdown(args.engine or ["mooncake", "nixl"], args.keep_logs)
