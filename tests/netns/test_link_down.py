@@ -86,3 +86,27 @@ def test_a_link_down_mid_transfer_never_writes_blocks_after_the_verdict_and_the_
               f"{t['fence'] - t['verdict']:.2f} s, up->next done {t['next'] - t['up']:.2f} s")
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_a_link_flap_shorter_than_the_transfer_timeout_is_ridden_out(link: Link, tmp_path: Path, engine: str
+                                                                    ) -> None:
+    """Issue 28 finding 5: the link goes down for 3 s in the middle of a pull whose transfer timeout is far longer.
+    The engine's own retransmission carries the transfer across it: the pull ends ``done``, bytes equal, and both
+    processes live on (the report saw NIXL end ``timed_out`` and once the prefill abort inside UCX)."""
+    link.rate("200mbit")
+    pair = Pair(link, tmp_path, engine, "pull", SPEC, BLOCKS, transfer_timeout_s=BOUND_S, drain_timeout_s=3.0)
+    try:
+        src, dst = list(range(1, 129)), list(range(2, 130))
+        pair.start("flap", src, dst, TOKENS)
+        wait_for(pair, "decode", "the transfer starting", lambda s: s["in_flight"] > 0, 20)
+        time.sleep(0.4)
+        link.down()
+        time.sleep(3.0)
+        link.up()
+        done = pair.wait("flap", BOUND_S * 2)
+        assert done["state"] == "done", done
+        assert pair.same_bytes(src, dst, TOKENS)
+        assert pair.prefill.proc.poll() is None and pair.decode.proc.poll() is None
+    finally:
+        pair.close()
