@@ -13,6 +13,7 @@ from there into the matching local blocks, as if the request began there (so sta
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -28,6 +29,7 @@ from kvplane.plan.planner import REPLICATED_FAMILIES, TransferPlan, plan_transfe
 # all (replicated: one rank per request). Keyed by (id of the manifest, source TP), the manifest held with it.
 LayerSources = list[tuple[str, tuple[int, ...] | None]]
 _SOURCES: OrderedDict[tuple[int, int], tuple[Manifest, LayerSources]] = OrderedDict()
+_SOURCES_LOCK = threading.Lock()  # both sides' threads reach it in a kv_both instance
 _SOURCES_KEPT = 64
 
 
@@ -45,10 +47,11 @@ def layers_by_source(dst: Manifest, src_tp: int, request_id: str) -> dict[int, l
 
 def _layer_sources(dst: Manifest, src_tp: int) -> LayerSources:
     key = (id(dst), src_tp)
-    hit = _SOURCES.get(key)
-    if hit is not None and hit[0] is dst:
-        _SOURCES.move_to_end(key)
-        return hit[1]
+    with _SOURCES_LOCK:
+        hit = _SOURCES.get(key)
+        if hit is not None and hit[0] is dst:
+            _SOURCES.move_to_end(key)
+            return hit[1]
     sources: LayerSources = []
     for layer in dst.spec.layers:
         if layer.family in REPLICATED_FAMILIES:
@@ -56,9 +59,10 @@ def _layer_sources(dst: Manifest, src_tp: int) -> LayerSources:
             continue
         heads = dst.regions_of(layer.name)[0].heads * dst.tp_size
         sources.append((layer.name, tuple(source_ranks(dst.rank, dst.tp_size, src_tp, heads, False, ""))))
-    _SOURCES[key] = (dst, sources)
-    while len(_SOURCES) > _SOURCES_KEPT:
-        _SOURCES.popitem(last=False)
+    with _SOURCES_LOCK:
+        _SOURCES[key] = (dst, sources)
+        while len(_SOURCES) > _SOURCES_KEPT:
+            _SOURCES.popitem(last=False)
     return sources
 
 
