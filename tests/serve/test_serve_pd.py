@@ -70,15 +70,16 @@ class Pair:
         return self.prefill.wait_ready()
 
 
-def start_pair(model: Path, logs: Path, mode: str, engine: str) -> Pair:
+def start_pair(model: Path, logs: Path, mode: str, engine: str, extra: tuple[str, ...] = ()) -> Pair:
+    """A prefill and a decode (``extra``: more vLLM flags for both) behind `kvplane proxy`."""
     hp, hd, hx, sp, sd = (free_port() for _ in range(5))
     # a loaded 2-core machine may take seconds to answer: the bounds a test must not trip on are wide
     disagg = {"mode": mode, "transport": engine, "host": "127.0.0.1", "handshake_timeout_s": 60.0, "lease_s": LEASE_S,
               "probe_timeout_s": 30.0}
-    argv_p = vllm_argv(model, hp, kv_config("kv_producer", {"disagg": {**disagg, "port": sp}}, "prefill-0"),
-                       "0")
-    argv_d = vllm_argv(model, hd, kv_config("kv_consumer", {"disagg": {**disagg, "port": sd}}, "decode-0"),
-                       "1")
+    argv_p = [*vllm_argv(model, hp, kv_config("kv_producer", {"disagg": {**disagg, "port": sp}}, "prefill-0"),
+                         "0"), *extra]
+    argv_d = [*vllm_argv(model, hd, kv_config("kv_consumer", {"disagg": {**disagg, "port": sd}}, "decode-0"),
+                         "1"), *extra]
     prefill = Server("prefill", argv_p, f"http://127.0.0.1:{hp}", logs)
     decode = Server("decode", argv_d, f"http://127.0.0.1:{hd}", logs)
     started = start_all([prefill, decode])
