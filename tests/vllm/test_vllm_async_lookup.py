@@ -5,6 +5,7 @@ N's stores must not evict what was promised to step N+1 (see ``realsched.py``)."
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -37,6 +38,14 @@ def test_a_prefix_promised_to_the_next_step_survives_the_stores_of_the_step_runn
     engine.add("b", prompt(3))
     engine.step()  # step N (b's prefill, whose stores need 4 host blocks) is scheduled, not run yet
     engine.add("c", prompt(1))
+    # c's lookup goes out now and its answer (the promise) is in before step N runs: a worker slower than the
+    # scheduler would otherwise answer after b's stores evicted prompt(1)'s blocks, an honest miss (seen under load)
+    side = engine.scheduler.connector.scheduler
+    assert side.get_num_new_matched_tokens(engine.requests["c"], 0) == (None, False)
+    end = time.monotonic() + 120
+    while not side.lookup.answered("c"):
+        assert time.monotonic() < end, "the worker never answered c's lookup"
+        time.sleep(0.001)
     engine.step()  # step N+1 is scheduled (c's lookup: 64 tokens), then step N runs and stores b's blocks
     assert engine.finish("c").finish_reason == FinishReason.LENGTH
     assert engine.first_computed["c"] == 64 and not engine.invalid

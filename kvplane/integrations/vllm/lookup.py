@@ -148,6 +148,11 @@ class LookupClient:
     def asked(self, request_id: str) -> bool:
         return request_id in self._asked
 
+    def answered(self, request_id: str) -> bool:
+        """Whether the answer to ``request_id``'s latest lookup is in (``answer`` then returns it). Never waits."""
+        self._drain()
+        return request_id in self._answers
+
     def answer(self, request_id: str) -> int | None:
         self._drain()
         if request_id not in self._asked:
