@@ -5,10 +5,11 @@ fast decode can finish its READ and send ``ReadDone`` before ``PrefillSide.reque
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 from kvfill import digest
-from pair import make, push_params, small_spec
+from pair import free_port_run, make, push_params, small_spec
 
 from kvplane.flows.disagg import TransferParams, limits
 from kvplane.flows.disagg.tokens import new_token
@@ -63,3 +64,33 @@ def test_a_push_the_prefill_has_no_room_to_keep_word_of_fails_naming_that() -> N
     finally:
         decode.close()
         prefill.close()
+
+
+def test_pushes_registered_while_the_handshake_is_pending_reach_the_prefill_in_the_order_they_were_registered() -> None:
+    """The decode registers ``MAX_EARLY_PER_PEER + 1`` pushes before the prefill rank even listens, so every one
+    waits on the handshake; once it is answered they go out first come, first served, and the one refused for
+    room is the last registered. (On main they went out in the hash order of a set, and the cap refused whichever
+    came last there: the clean-clone CI of 46387ea saw r220 refused, not r256.)"""
+    spec = small_spec()
+    cap = limits.MAX_EARLY_PER_PEER
+    base, eid = free_port_run(1), f"prefill-{uuid.uuid4().hex[:6]}"
+    decode = make("decode", spec, mode="push", num_blocks=cap + 8, push_timeout_s=600.0, handshake_timeout_s=120.0)
+    prefill = None
+    try:
+        for i in range(cap + 1):
+            rid = f"r{i}"
+            decode.side.register_push(rid, push_params(base, rid, eid), decode.allocate(1), 1)
+        prefill = make("prefill", spec, seed=3, mode="push", push_timeout_s=600.0, port=base, engine_id=eid)
+        end = time.monotonic() + 180.0  # the handshake's 120 s bound, and the reply's time
+        while not decode.collect():
+            assert time.monotonic() < end, "no request was refused"
+            time.sleep(0.002)
+        assert list(decode.collect()) == [f"r{cap}"], decode.collect()
+        refused = decode.collect()[f"r{cap}"]
+        assert refused.state == "failed", refused
+        assert "too many requests registered that this prefill rank was not handed yet" in refused.reason, refused
+        assert all(prefill.side.push_registered(f"r{i}") for i in range(cap))
+    finally:
+        decode.close()
+        if prefill is not None:
+            prefill.close()

@@ -81,31 +81,44 @@ def test_a_full_segment_logs_its_refusals_once_per_stretch_and_counts_them(
             other.close()
 
 
+def put_until_refused(tier: StoreTier, name: str, addr: int, first: int) -> list[int]:
+    """1 MiB puts from key number ``first`` on, up to and including the first one refused; their return codes."""
+    codes: list[int] = []
+    while not codes or codes[-1] >= 0:
+        assert len(codes) < 200, "the full segment never refused a put"
+        codes += put_and_check(tier, f"store2/{name}/{first + len(codes)}", addr, MiB)
+    return codes
+
+
 def test_the_periodic_line_of_a_long_stretch_counts_what_it_did_not_log(
     master: MooncakeMaster, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A stretch of refusals logs its first line, then one per interval counting the refusals it did not log.
+    The master's eviction makes room for a put now and then, and a put taken once the interval has passed ends
+    the stretch (as it should): then the test waits for the next stretch and tries again."""
     tier = StoreTier(StoreConfig(master.address, segment_bytes=16 * MiB, local_buffer_bytes=16 * MiB, timeout_s=10.0,
                                  namespace="store2-period", retry_after_s=3600.0))
     buf = get_backend("cpu").alloc_host(MiB)
     base = int(buf.data_ptr())
+    every: list[int] = []  # every put's code, over all tries
     try:
         tier.register(base, buf.numel())
-        tier.refusal_log_every_s = 3600.0
         with caplog.at_level(logging.WARNING, logger=STORE_LOG):
-            codes = fill(tier, "period", base, 30)
-            while NO_AVAILABLE_HANDLE not in codes:  # the master's eviction made room for all: fill on to the first
-                assert len(codes) < 200, "the full segment never refused a put"
-                codes += put_and_check(tier, f"store2/period/{len(codes)}", base, MiB)
-            tier.refusal_log_every_s = 0.0  # the interval has passed: the next refusal writes the summary
-            last: list[int] = []
-            while not any(rc < 0 for rc in last):  # any refusal writes the summary, whatever its code
-                assert len(codes) < 100, "the full segment never refused a put"
-                last = put_and_check(tier, f"store2/period/{len(codes)}", base, MiB)
-                codes += last
+            for _ in range(50):
+                tier.refusal_log_every_s = 3600.0  # inside the stretch: counted, not logged
+                caplog.clear()
+                stretch = put_until_refused(tier, "period", base, len(every))  # its first refusal writes a line
+                stretch += put_and_check(tier, f"store2/period/{len(every) + len(stretch)}", base, MiB)
+                tier.refusal_log_every_s = 0.0  # the interval has passed: a refusal now writes the summary
+                stretch += put_and_check(tier, f"store2/period/{len(every) + len(stretch)}", base, MiB)
+                every += stretch
+                if stretch[-1] < 0:
+                    break  # otherwise the master made room once more and the stretch ended: try the next one
         lines = refusal_lines(caplog)
-        assert len(lines) == 2, (lines, codes)
-        assert f"refused {sum(rc < 0 for rc in codes) - 1} more put(s)" in lines[1], (lines, codes)
-        assert tier.refused[NO_AVAILABLE_HANDLE] == codes.count(NO_AVAILABLE_HANDLE)
+        assert len(lines) == 2 and "more put(s)" in lines[1], (lines, stretch)
+        first = next(i for i, rc in enumerate(stretch) if rc < 0)  # the refusal that started the stretch
+        assert f"refused {sum(rc < 0 for rc in stretch[first + 1:])} more put(s)" in lines[1], (lines, stretch)
+        assert tier.refused[NO_AVAILABLE_HANDLE] == every.count(NO_AVAILABLE_HANDLE)
     finally:
         tier.close()
 

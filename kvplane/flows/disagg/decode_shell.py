@@ -70,7 +70,7 @@ class DecodeShell(DecodeConnections):
         for rank in range(p.tp_size):
             self._declines.discard((p.remote_host, p.remote_port + rank), p.remote_request_id)
             conn = self._conn(p.remote_host, p.remote_port + rank, rank, p.remote_boot_id if want.mode == "pull" else "")
-            conn.waiting.add(rid)
+            conn.waiting[rid] = None
             want.conns.append(conn)
         self._connections(want)
 
@@ -86,7 +86,7 @@ class DecodeShell(DecodeConnections):
 
     def _start(self, want: Want) -> None:
         for conn in want.conns:
-            conn.waiting.discard(want.request_id)
+            conn.waiting.pop(want.request_id, None)
         try:
             ranks = self._starter.start(want)
         except KvplaneError as e:  # nothing was submitted: the prefill ranks are told, so they free it now
@@ -156,7 +156,7 @@ class DecodeShell(DecodeConnections):
 
     def _report(self, want: Want, state: State, reason: str) -> None:
         for conn in want.conns:
-            conn.waiting.discard(want.request_id)
+            conn.waiting.pop(want.request_id, None)
         if self._wants.get(want.request_id) is want:
             del self._wants[want.request_id]
             key = (want.params.remote_engine_id, want.params.remote_request_id)

@@ -41,7 +41,7 @@ class Conn:
     attempt: int = 0  # the number of the latest handshake sent on it: only the answer to that one is taken
     answered: bool = False  # that answer came (a second one is dropped)
     retry_at: float = float("inf")  # failed: when to handshake again if declines wait for the rank
-    waiting: set[str] = field(default_factory=set)
+    waiting: dict[str, None] = field(default_factory=dict)  # ids waiting on the handshake, sent in this order
     stages: dict[tuple[str, ...], bool] = field(default_factory=dict)
 
 
