@@ -128,7 +128,7 @@ def watched_local_kv() -> tuple[type, list[Any]]:
 def ready_prefill_ranks(decode: Engine) -> int:
     """How many prefill ranks ``decode``'s side has a ready connection to (handshaken, transport connected); read
     from the loop's records, for waiting until a handshake is done before acting on the request."""
-    return sum(1 for conn in list(decode.side._conns.values()) if conn.state == "ready")
+    return sum(1 for conn in list(decode.side._conns.values()) if conn.ready)
 
 
 def free_port_run(count: int, host: str = "127.0.0.1") -> int:

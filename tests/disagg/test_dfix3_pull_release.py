@@ -23,7 +23,7 @@ TOKENS = 40
 
 def state(decode: Engine) -> str:
     conns = list(decode.side._conns.values())
-    return conns[0].state if conns else ""
+    return conns[0].link.phase.value if conns else ""
 
 
 def prefill_worker(tmp_path: Path, engine: str, tables: dict[str, list[int]]) -> tuple[Any, dict[str, Any]]:
@@ -126,7 +126,7 @@ def test_an_answer_to_a_handshake_sent_before_this_ranks_reset_is_not_taken_for_
             side.start_pull("a", held["r1"], {0: ids["a"]})
             assert decode.wait("a").state in ("failed", "timed_out")
             conn = lambda: next(iter(side._conns.values()))  # noqa: E731
-            until("a's Cancel was never retried", lambda: conn().state == "handshaking" and conn().attempt >= 2)
+            until("a's Cancel was never retried", lambda: conn().link.phase.value == "handshaking" and conn().link.attempt >= 2)
             generation = side.local.transport.generation
             side._loop.submit(lambda: side._mover.fence(lambda: None, "test: a reset under a retried handshake"))
             until("the decode's engine was never reset", lambda: side.local.transport.generation != generation)

@@ -16,6 +16,7 @@ import pytest
 from pair import LONG, Engine, free_port_run, make, push_params, ready_prefill_ranks, small_spec, token_for
 from rank_pool import spawn
 
+from kvplane.flows.disagg.decode_link import LinkPhase
 from kvplane.kv.spec import KVSpec
 
 SPEC = small_spec()
@@ -81,7 +82,7 @@ def test_a_decline_whose_handshake_failed_is_sent_with_the_next_successful_hands
             decode.side.decline(held["r1"])
             decode.side.decline(held["r2"])
             wait_failed = time.monotonic() + 20.0
-            while not any(c.state == "failed" for c in list(decode.side._conns.values())):
+            while not any(c.link.phase is LinkPhase.FAILED for c in list(decode.side._conns.values())):
                 assert time.monotonic() < wait_failed, "the handshake to the stopped prefill never failed"
                 time.sleep(0.01)
         finally:

@@ -29,7 +29,7 @@ def conn(decode: Engine) -> Conn | None:
 
 def state(decode: Engine) -> str:
     c = conn(decode)
-    return "" if c is None else c.state
+    return "" if c is None else c.link.phase.value
 
 
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])

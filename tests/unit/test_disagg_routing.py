@@ -19,6 +19,7 @@ import numpy as np
 
 from kvplane.flows.disagg.declines import PendingDeclines
 from kvplane.flows.disagg.decode import DecodeSide
+from kvplane.flows.disagg.decode_link import Link, LinkPhase
 from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase
 from kvplane.flows.disagg.messages import PushResult
 from kvplane.flows.disagg.published import Published
@@ -45,7 +46,9 @@ def _side(conns: list[Conn]) -> Any:
 
 
 def _conn(rank: int) -> Conn:
-    return Conn("127.0.0.1", 5600 + rank, rank, SimpleNamespace(), 0.0, state="ready",  # type: ignore[arg-type]
+    link = Link(5.0)
+    link.phase, link.generation = LinkPhase.READY, 0  # handshaken with the engine as it is: the test starts there
+    return Conn("127.0.0.1", 5600 + rank, rank, SimpleNamespace(), link,  # type: ignore[arg-type]
                 record=SimpleNamespace(engine_id="prefill-E", boot_id="b"))  # type: ignore[arg-type]
 
 

@@ -37,7 +37,6 @@ lease, and a push's re-layout run on this side's I/O loop thread; transfers on i
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Mapping
@@ -52,7 +51,6 @@ from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.declines import PendingDeclines
-from kvplane.flows.disagg.decode_conns import RETRY_FIRST_S, RETRY_MAX_S
 from kvplane.flows.disagg.decode_request import DecodeRequest, Ident
 from kvplane.flows.disagg.decode_shell import DecodeShell
 from kvplane.flows.disagg.decode_start import Starter
@@ -70,7 +68,7 @@ from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
 from kvplane.metrics.watch import watch_side
 
-__all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "DecodeSide"]
+__all__ = ["DecodeSide"]
 logger = logging.getLogger("kvplane.disagg")
 
 
@@ -96,8 +94,6 @@ class DecodeSide(DecodeShell):
         self._declines = PendingDeclines(max(config.lease_s, config.push_timeout_s))  # for ranks not ready yet
         self._next_heartbeat = 0.0
         self._next_check = 0.0
-        self._attempts = itertools.count(1)  # handshake numbers: an answer is taken only for the latest one sent
-        self._failures: dict[tuple[str, int], int] = {}  # handshakes failed in a row, per prefill address
         with ExitStack() as undo:  # keys refused, a part that fails: give back what was built so far, then raise
             undo.callback(self.local.close)
             self._loop = IOLoop(f"kvplane-decode-{config.rank}", self._tick, self._publish)

@@ -32,6 +32,7 @@ from kvplane.flows.disagg.decode_actions import (
     Start,
 )
 from kvplane.flows.disagg.decode_conns import DecodeConnections
+from kvplane.flows.disagg.decode_link import LinkPhase
 from kvplane.flows.disagg.decode_request import Phase, RankView
 from kvplane.flows.disagg.decode_start import Starter
 from kvplane.flows.disagg.errors import RelayoutError
@@ -79,9 +80,9 @@ class DecodeShell(DecodeConnections):
         views = {}
         for conn in want.conns:
             state: Literal["waiting", "ready", "failed"] = \
-                "ready" if conn.state == "ready" else "failed" if conn.state == "failed" else "waiting"
+                "ready" if conn.ready else "failed" if conn.link.phase is LinkPhase.FAILED else "waiting"
             who = (conn.record.engine_id, conn.record.boot_id) if conn.record is not None else ("", "")
-            views[conn.rank] = RankView(state, f"{conn.host}:{conn.port}", conn.error, *who)
+            views[conn.rank] = RankView(state, f"{conn.host}:{conn.port}", conn.link.error, *who)
         self._run(want, want.machine.connections(views))
 
     def _start(self, want: Want) -> None:
@@ -106,7 +107,7 @@ class DecodeShell(DecodeConnections):
         cancel = Cancel(p.remote_request_id, self.config.engine_id, self.config.rank, p.kvplane_token)
         for rank in range(p.tp_size):
             conn = self._conn(p.remote_host, p.remote_port + rank, rank, p.remote_boot_id)
-            if conn.state == "ready":
+            if conn.ready:
                 channel.send(conn.socket, cancel, self.counters)
             else:  # sent with the next handshake with that rank that succeeds (a failed one keeps it)
                 self._declines.add((conn.host, conn.port), cancel, time.monotonic(), p.remote_boot_id)
@@ -122,7 +123,7 @@ class DecodeShell(DecodeConnections):
         for action in actions:
             if isinstance(action, Send):
                 conn = want.conns[action.rank]
-                if not action.ready_only or (conn.state == "ready" and conn.record is not None):
+                if not action.ready_only or conn.ready:
                     channel.send(conn.socket, action.message, self.counters)
                 elif action.later and isinstance(action.message, Cancel):  # with the rank's next good handshake
                     boot = want.params.remote_boot_id if want.mode == "pull" else ""  # a pull's: that lifetime's
@@ -139,9 +140,7 @@ class DecodeShell(DecodeConnections):
             elif isinstance(action, Fence):
                 self._mover.fence(partial(self._fenced, want), action.reason)
             elif isinstance(action, MarkStale):
-                conn = want.conns[action.rank]
-                if conn.state == "ready":
-                    conn.stale = True  # the prefill's engine may have been reset: learn its descriptor again
+                want.conns[action.rank].link.stale()  # its engine may have been reset: learn its descriptor again
             elif isinstance(action, GiveStaging):
                 for offset, _, _ in want.staged:
                     self.local.arena.give(offset)
@@ -212,7 +211,7 @@ class DecodeShell(DecodeConnections):
         for want in self._wants.values():
             for send in want.machine.heartbeat():
                 conn = want.conns[send.rank]
-                if conn.state == "ready" and isinstance(send.message, Heartbeat):
+                if conn.ready and isinstance(send.message, Heartbeat):
                     by_conn.setdefault((conn.host, conn.port), []).extend(send.message.requests)
         for key, requests in by_conn.items():
             for start in range(0, len(requests), MAX_HEARTBEAT_IDS):

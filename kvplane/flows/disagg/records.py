@@ -14,35 +14,36 @@ import zmq
 
 from kvplane.blocks.groups import HOLE, Ids
 from kvplane.descriptors import CopyPlan
+from kvplane.flows.disagg.decode_link import Link
 from kvplane.flows.disagg.decode_request import DecodeRequest
-from kvplane.flows.disagg.messages import PushRegister
+from kvplane.flows.disagg.messages import Handshake, PushRegister
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord
 from kvplane.flows.disagg.staging_chunks import Chunk
+from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVSpec
 from kvplane.plan.planner import TransferPlan
+from kvplane.transports.base import PeerInfo
 
 
 @dataclass
 class Conn:
-    """The side channel to one prefill rank, and what its handshake told us."""
+    """The side channel to one prefill rank: its link machine, and what its handshake told us."""
 
     host: str
     port: int
     rank: int
     socket: zmq.Socket[bytes]
-    started: float
-    state: str = "handshaking"  # -> "probing" (connecting the transport) -> "ready" | "failed"
-    stale: bool = False  # ready, but a transport was reset since: handshake again before the next request
-    generation: int = 0  # of this rank's engine when the handshake was sent
-    deferred: bool = False  # handshaking again, sent once this rank's engine runs again after a reset
-    record: PeerRecord | None = None
-    error: str = ""
-    attempt: int = 0  # the number of the latest handshake sent on it: only the answer to that one is taken
-    answered: bool = False  # that answer came (a second one is dropped)
-    retry_at: float = float("inf")  # failed: when to handshake again if declines wait for the rank
+    link: Link
+    checked: tuple[Handshake, Manifest, PeerInfo] | None = None  # the latest answer that checked out
+    record: PeerRecord | None = None  # from the latest handshake that made the link ready
     waiting: dict[str, None] = field(default_factory=dict)  # ids waiting on the handshake, sent in this order
     stages: dict[tuple[str, ...], bool] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        """Messages go out on it (and requests start on it)."""
+        return self.link.usable and self.record is not None
 
 
 @dataclass(frozen=True)
