@@ -26,6 +26,7 @@ from kvplane.integrations.vllm.lookup import LookupServer, lookup_address
 from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Send
 from kvplane.integrations.vllm.receives import decline, finished_receives, skipping_groups, start_receives
 from kvplane.integrations.vllm.spec import layouts_for, spec_from_vllm
+from kvplane.integrations.vllm.worker_book import WorkerBook
 from kvplane.kv.binding import LayoutChoice, check_whole_allocations, matching_layouts, regions_from_tensors
 from kvplane.kv.layouts import LayerValue, Layout
 from kvplane.kv.spec import KVSpec
@@ -49,17 +50,12 @@ class WorkerSide:
         self.lookup_server: LookupServer | None = None
         self.holds: LookupHolds | None = None  # rank 0: host blocks promised by lookups
         self._lock = threading.Lock()  # the offload engine is single-threaded; the lookup server shares it
-        self._load_errors: set[int] = set()
-        self._receiving: set[str] = set()  # receives started and not yet reported
-        self._aborted_receives: set[str] = set()
+        self._load_errors: set[int] = set()  # block ids to report to vLLM
+        self._book = WorkerBook()  # one record per request whose KV moves
         self._failed_requests: set[str] = set()  # failed receives to report by request id (several KV-cache groups)
-        self._host_loads: set[str] = set()  # host-tier loads vLLM waits for, reported like receives
-        self._short_loads: set[str] = set()  # ... that could not load every promised block
         # vLLM maps failed block ids back to requests only when there is one KV-cache group
         self.failures_by_request = len(getattr(kv_cache_config, "kv_cache_groups", ())) > 1
-        self._failed_receives: list[Completion] = []
-        self._by_transfer_id: dict[str, str] = {}  # prefill: the id decode knows -> vLLM's request id
-        self._refused_sends: set[str] = set()  # the prefill side refused them: vLLM gets their blocks back
+        self._failed_receives: list[Completion] = []  # receives that failed to start, reported with the next ones
         self._pushing_layers = False  # this step's forward completes a layer-wise request's prompt
         self._step: KVPlaneMetadata | None = None  # bound for the step now running
         self._saves_started = False
@@ -203,7 +199,8 @@ class WorkerSide:
         self._start_saves(meta)  # after the loads: a store must not take host blocks a load of this step reads
         started, failed = start_receives(self.decode, meta.receives, self.config.mode, self._skipping)
         self._failed_receives += failed  # reported with the next completions, by vLLM's policy
-        self._receiving.update(started)
+        for rid in started:
+            self._book.receiving(rid)
         self.counters["receives"] += len(started)
         for params in meta.declines:
             decline(self.decode, params)
@@ -226,14 +223,13 @@ class WorkerSide:
                            "end" if finished else "layer-wise start", e,
                            "its blocks go back to vLLM" if finished else "its end is handed over again")
             if finished:
-                self._by_transfer_id.pop(tid, None)
-                self._refused_sends.add(send.request_id)
+                self._book.refused(tid)
             return False
         return True
 
     def _transfer_id(self, send: Send) -> str:
         tid = send.transfer_id or send.request_id
-        self._by_transfer_id[tid] = send.request_id
+        self._book.handed(tid, send.request_id)
         return tid
 
     def _load(self, offload: OffloadEngine, meta: KVPlaneMetadata, in_store: Any = None) -> None:
@@ -254,10 +250,8 @@ class WorkerSide:
             # request sharing one with a failed load of another group recomputes too (never the reverse)
             errors = offload.get_block_ids_with_load_errors() if waited else set()
             for j in waited:
-                self._receiving.add(j.request_id)
-                self._host_loads.add(j.request_id)
-                if j.request_id not in loaded or any(b in errors for ids in j.block_ids.values() for b in ids):
-                    self._short_loads.add(j.request_id)
+                self._book.loading(j.request_id, j.request_id not in loaded
+                                   or any(b in errors for ids in j.block_ids.values() for b in ids))
         if self.holds is not None:
             for rid in [j.request_id for j in meta.loads] + meta.released:
                 self.holds.release(rid)
@@ -278,12 +272,9 @@ class WorkerSide:
                 if self.holds is not None:
                     self.holds.release(rid)
         if self.prefill is not None:
-            tid = next((t for t, r in self._by_transfer_id.items() if r == rid), rid)
-            self.prefill.abort(tid)
-        if rid in self._receiving:  # else already reported: nothing to drain
-            self._aborted_receives.add(rid)
-            if self.decode is not None and rid not in self._host_loads:
-                self.decode.abort(rid)
+            self.prefill.abort(self._book.transfer_id(rid))
+        if self._book.abort(rid) and self.decode is not None:  # a receive runs: it reports once nothing lands
+            self.decode.abort(rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.offload is not None:
@@ -313,29 +304,26 @@ class WorkerSide:
         if self.offload is not None:
             with self._lock:
                 _, loaded = self.offload.get_finished()  # stores and synchronous loads finish within their step
-            for rid in sorted(loaded & self._host_loads):
-                self._host_loads.discard(rid)
-                short = rid in self._short_loads
-                self._short_loads.discard(rid)
+            waited = self._book.loads()
+            for rid in sorted(loaded & waited.keys()):
+                short = waited[rid]
                 completions.append(Completion(rid, "failed" if short else "done",
                                               reason="host-tier blocks gone since the lookup" if short else ""))
-        sending |= self._refused_sends
-        self._refused_sends.clear()
+        sending.update(self._book.take_refused())
         if self.prefill is not None:
             for c in self.prefill.get_finished():
-                if c.request_id not in self._by_transfer_id:  # vLLM asserts on an id it does not hold: a peer's stray or repeated completion
+                sender = self._book.sent(c.request_id)
+                if sender is None:  # vLLM asserts on an id it does not hold: a peer's stray or repeated completion
                     logger.warning("kvplane: request %s is not being sent from here (unknown, or reported "
                                    "already): its completion is dropped", c.request_id)
                     continue
-                sending.add(self._by_transfer_id.pop(c.request_id))
+                sending.add(sender)
         if self.decode is not None:
-            received = finished_receives(self.decode, self._receiving)  # skipped blocks: the instance's (rank 0)
+            received = finished_receives(self.decode, self._book.receives())  # skipped blocks: the instance's (rank 0)
             self.counters["receive_skipped_blocks"] += 0 if self.tp_rank else sum(c.skipped_blocks for c in received)
             completions += received
         for c in completions:
-            self._receiving.discard(c.request_id)
-            if c.request_id in self._aborted_receives:
-                self._aborted_receives.discard(c.request_id)
+            if self._book.ended(c.request_id) == "sent":
                 sending.add(c.request_id)  # vLLM was told to wait for it as a delayed free
                 continue
             if not c.ok:
@@ -366,12 +354,9 @@ class WorkerSide:
     def held_request_ids(self) -> dict[str, set[str]]:
         """Every per-request table, by name: all empty once every request has ended (the tests check it)."""
         return {
-            "worker.receiving": set(self._receiving), "worker.aborted_receives": set(self._aborted_receives),
-            "worker.failed_requests": set(self._failed_requests), "worker.host_loads": set(self._host_loads),
-            "worker.short_loads": set(self._short_loads),
+            **self._book.held(), "worker.failed_requests": set(self._failed_requests),
             "worker.lookup_holds": self.holds.held_request_ids() if self.holds is not None else set(),
             "worker.failed_receives": {c.request_id for c in self._failed_receives},
-            "worker.by_transfer_id": set(self._by_transfer_id.values()),
         }
 
     def stats(self) -> dict[str, int]:
