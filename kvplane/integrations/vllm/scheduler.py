@@ -26,6 +26,7 @@ from kvplane.flows.disagg.tokens import is_token, new_token
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, lookup_address
 from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
+from kvplane.integrations.vllm.scheduler_book import Phase, SchedulerBook, Tracked
 
 logger = logging.getLogger("kvplane.vllm")
 NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -54,17 +55,7 @@ class SchedulerSide:
             LookupClient(lookup_address(config.engine_id, dp_rank), config.lookup_timeout_s)
             if config.offload is not None else None
         )
-        self._requests: dict[str, Any] = {}
-        self._block_ids: dict[str, Groups] = {}
-        self._stored: dict[str, dict[int, int]] = {}  # blocks per group already handed to a store
-        self._matched: dict[str, int] = {}  # tokens vLLM's prefix cache held at the last lookup or remote count
-        self._int_hashes: dict[tuple[str, int], list[int]] = {}
-        self._layerwise_started: set[str] = set()
-        self._held: set[str] = set()  # a lookup promised blocks the worker holds, and no load was queued yet
-        self._receiving: set[str] = set()
-        self._aborting: set[str] = set()  # finished while its KV was arriving: vLLM delayed the free
-        self._sending: set[str] = set()
-        self._bad_tokens: set[str] = set()  # requests whose malformed kvplane_token was logged
+        self._book = SchedulerBook()  # one record per request, with its phase
         self._meta = KVPlaneMetadata()
         self._advertised: DisaggConfig | None = None  # rank 0 of this DP rank, built on the first send
 
@@ -72,7 +63,7 @@ class SchedulerSide:
     def _hashes(self, request: Any, group: int) -> list[int]:
         """The request's chained block hashes at group ``group``'s block size (converted once, then extended)."""
         k = self.block_sizes[group] // self.hash_block_size
-        known = self._int_hashes.setdefault((request.request_id, group), [])
+        known = self._book.get(request.request_id).hashes.setdefault(group, [])
         vllm_hashes = request.block_hashes
         for i in range(len(known) * k + k - 1, len(vllm_hashes), k):
             known.append(block_hash_int(vllm_hashes[i]))
@@ -128,7 +119,7 @@ class SchedulerSide:
     # -- vLLM scheduler calls -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._remote_prefill(request):  # vLLM's prefix cache here holds num_computed_tokens: receive the rest
-            self._matched[request.request_id] = num_computed_tokens
+            self._book.get(request.request_id).matched = num_computed_tokens
             count = self._remote_tokens(request) - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         if self.lookup is None:
@@ -143,22 +134,24 @@ class SchedulerSide:
         answer = self.lookup.answer(request.request_id)
         if answer is None:
             return None, False  # not answered yet: vLLM asks again next step, the scheduler never waits
+        record = self._book.get(request.request_id)
         if answer > 0:
-            self._held.add(request.request_id)  # the worker holds the blocks until load, release or a new lookup
+            record.holds = True  # the worker holds the blocks until load, release or a new lookup
         hit = min(answer, limit) // self.step_tokens * self.step_tokens
-        self._matched[request.request_id] = num_computed_tokens
+        record.matched = num_computed_tokens
         # several KV-cache groups: vLLM takes a failed load only by request, and only while it waits for it
         return (hit - num_computed_tokens, self.loads_wait_in_vllm) if hit > num_computed_tokens else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
-        self._requests[rid] = request
+        record = self._book.get(rid)
+        record.request = request
         raw = blocks.get_block_ids()
         ids = self._groups(rid, raw) or {}
         if self._remote_prefill(request):
             params = request.kv_transfer_params
             params["do_remote_prefill"] = False  # asked once: a second allocation after the load adds blocks only
-            local = self._matched.pop(rid, 0)  # tokens vLLM's prefix cache held: their blocks are not received
+            local, record.matched = record.matched or 0, None  # vLLM's prefix cache held them: not received
             if num_external_tokens > 0:  # vLLM now waits for this receive: it must end, even if it cannot start
                 num_tokens = self._remote_tokens(request)
                 if not ids:
@@ -168,15 +161,15 @@ class SchedulerSide:
                 held = {g: min(local, num_tokens) // bs * bs for g, bs in self.block_sizes.items()}
                 self._meta.receives.append(Receive(rid, dict(params), self._blocks_for(ids, num_tokens), num_tokens,
                                                    refused, held))
-                self._receiving.add(rid)
+                self._book.to(rid, Phase.RECEIVING)
             return
         loads = num_external_tokens > 0 and self.lookup is not None and bool(ids)
-        if rid in self._held:  # the load below ends the hold on the worker; without one, release it
-            self._held.discard(rid)
+        if record.holds:  # the load below ends the hold on the worker; without one, release it
+            record.holds = False
             if not loads:
                 self._meta.released.append(rid)
         if loads:
-            start = self._matched.pop(rid, 0)
+            start, record.matched = record.matched or 0, None
             end = start + num_external_tokens
             span = {g: (start // bs, end // bs) for g, bs in self.block_sizes.items()}
             job = _real_blocks(
@@ -187,44 +180,45 @@ class SchedulerSide:
             job.num_tokens, job.wait_in_vllm = num_external_tokens, self.loads_wait_in_vllm
             self._meta.loads.append(job)
             if job.wait_in_vllm:
-                self._receiving.add(rid)  # ends, fails and aborts like a receive
+                self._book.to(rid, Phase.RECEIVING)  # ends, fails and aborts like a receive
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlaneMetadata:
         if self.lookup is not None:  # ended requests whose lookup may have held blocks, once no hold can follow
             self._meta.released.extend(self.lookup.releasable())
         for req in scheduler_output.scheduled_new_reqs:
-            self._block_ids[req.req_id] = {g: list(v) for g, v in enumerate(req.block_ids)}
-            self._stored.pop(req.req_id, None)
+            record = self._book.get(req.req_id)
+            record.block_ids, record.stored = {g: list(v) for g, v in enumerate(req.block_ids)}, {}
             self._after_step(req.req_id, req.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            new = cached.new_block_ids[i]
+            new, record = cached.new_block_ids[i], self._book.get(rid)
             if rid in cached.resumed_req_ids:  # preempted and back: its blocks were replaced
-                self._block_ids[rid] = {g: list(v) for g, v in enumerate(new or ())}
-                self._stored.pop(rid, None)
+                record.block_ids, record.stored = {g: list(v) for g, v in enumerate(new or ())}, {}
             elif new is not None:
+                if record.block_ids is None:
+                    record.block_ids = {}
                 for g, v in enumerate(new):
-                    self._block_ids.setdefault(rid, {}).setdefault(g, []).extend(v)
+                    record.block_ids.setdefault(g, []).extend(v)
             self._after_step(rid, cached.num_computed_tokens[i], scheduler_output)
         meta, self._meta = self._meta, KVPlaneMetadata()
         return meta
 
     def _after_step(self, rid: str, num_computed: int, scheduler_output: Any) -> None:
-        request = self._requests.get(rid)
-        ids = self._block_ids.get(rid)
+        record = self._book.get(rid)
+        request, ids = record.request, record.block_ids
         if request is None or ids is None:
             return
         computed = num_computed + int(scheduler_output.num_scheduled_tokens.get(rid, 0))
         params = request.kv_transfer_params or {}
         if (self.config.is_prefill and self.config.mode == "layerwise" and params.get("do_remote_decode")
-                and rid not in self._layerwise_started and computed >= request.num_prompt_tokens
-                and (token := self._token(request)) is not None):
-            self._layerwise_started.add(rid)
+                and record.phase is Phase.TRACKED and computed >= request.num_prompt_tokens
+                and (token := self._token(request, record)) is not None):
+            self._book.to(rid, Phase.PUSHING)
             n = request.num_prompt_tokens
             self._meta.layerwise.append(Send(rid, self._blocks_for(ids, n), n, self.transfer_id(rid), token))
         if self.config.offload is None:
             return
-        stored = self._stored.setdefault(rid, {})
+        stored = record.stored
         hashes: Groups = {}
         block_ids: Groups = {}
         for g, bs in self.block_sizes.items():
@@ -243,20 +237,19 @@ class SchedulerSide:
         for rid in getattr(worker_meta, "failed_receives", ()):
             self._restart_failed_receive(rid)
         for rid in connector_output.finished_sending or ():
-            self._sending.discard(rid)
-            self._aborting.discard(rid)
+            self._book.reported(rid, (Phase.SENDING, Phase.ABORTING))
         for rid in connector_output.finished_recving or ():
-            self._receiving.discard(rid)
-            if rid in self._aborting:  # it ended before the abort reached the worker: nothing left to abort
-                self._aborting.discard(rid)
-                if rid in self._meta.aborts:
-                    self._meta.aborts.remove(rid)
+            # an aborting one ended before the abort reached the worker: nothing left to abort
+            if self._book.reported(rid, (Phase.RECEIVING, Phase.ABORTING)) is Phase.ABORTING \
+                    and rid in self._meta.aborts:
+                self._meta.aborts.remove(rid)
 
     def _restart_failed_receive(self, rid: str) -> None:
         """A receive of a hybrid model failed on a vLLM that takes failures only as block ids (which it cannot
         map to a request when there are several KV-cache groups): the request recomputes its prompt."""
-        request = self._requests.get(rid)
-        if request is None or rid not in self._receiving:
+        record = self._book.records.get(rid)
+        request = record.request if record is not None else None
+        if request is None or record is None or record.phase is not Phase.RECEIVING:
             return
         request.num_computed_tokens = 0  # vLLM then treats the receive as done and schedules the whole prompt
         logger.warning(
@@ -266,57 +259,50 @@ class SchedulerSide:
         )
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
-        try:
-            return self._request_finished(request, block_ids)
-        finally:
-            self._bad_tokens.discard(request.request_id)
-
-    def _request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        for table in (self._requests, self._block_ids, self._stored, self._matched):
-            table.pop(rid, None)
-        for g in self.block_sizes:
-            self._int_hashes.pop((rid, g), None)
-        if rid in self._held:
-            self._held.discard(rid)
+        record = self._book.get(rid)
+        if record.holds:
             self._meta.released.append(rid)
         if self.lookup is not None:
             self.lookup.abandon(rid)
-        started = rid in self._layerwise_started
-        self._layerwise_started.discard(rid)
-        if rid in self._receiving:  # the KV is still arriving: free once nothing can write the blocks
-            self._receiving.discard(rid)
-            self._aborting.add(rid)
+        delay, out = self._request_finished(request, block_ids, record)
+        self._book.finish(rid, delay)
+        return delay is not None, out
+
+    def _request_finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]], record: Tracked
+    ) -> tuple[Phase | None, dict[str, Any] | None]:
+        """Whether vLLM delays the free (the phase that waits for the workers' report), and the params."""
+        rid = request.request_id
+        if record.phase is Phase.RECEIVING:  # the KV is still arriving: free once nothing can write the blocks
             self._meta.aborts.append(rid)
-            return True, None
+            return Phase.ABORTING, None
         params = request.kv_transfer_params or {}
         if self.config.is_decode and params.get("do_remote_prefill") and params.get("remote_engine_id"):
             params["do_remote_prefill"] = False  # never allocated, so never received: the prefill frees it now
             self._meta.declines.append(dict(params))
-            return False, None
+            return None, None
         if not (self.config.is_prefill and params.get("do_remote_decode")):
-            return False, None
+            return None, None
         if getattr(request.status, "name", str(request.status)) not in NORMAL_FINISH:
-            if started:  # layer-wise pushes may be under way: the worker drains them before reporting
+            if record.phase is Phase.PUSHING:  # layer-wise pushes may be under way: the worker drains them
                 self._meta.aborts.append(rid)
-                self._sending.add(rid)
-                return True, None
-            return False, None
+                return Phase.SENDING, None
+            return None, None
         num_tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
         groups = self._groups(rid, block_ids)
         if groups is None:
-            return False, None
+            return None, None
         ids = self._blocks_for(groups, num_tokens)
         if num_tokens < 1 or not any(ids.values()):
-            return False, None
-        token = self._token(request)
+            return None, None
+        token = self._token(request, record)
         if token is None:
-            return False, None
+            return None, None
         self._meta.sends.append(Send(rid, ids, num_tokens, self.transfer_id(rid), token))
-        self._sending.add(rid)
-        return True, self.transfer_params(self.transfer_id(rid), ids, num_tokens, token)
+        return Phase.SENDING, self.transfer_params(self.transfer_id(rid), ids, num_tokens, token)
 
-    def _token(self, request: Any) -> str | None:
+    def _token(self, request: Any, record: Tracked) -> str | None:
         """The request's token: the proxy's (push modes: it gave the decode the same), else drawn here once; None
         (logged once) when the client's ``kv_transfer_params`` carry one that is not a token: no decode can name
         the request then, so its KV is not held for one."""
@@ -327,8 +313,8 @@ class SchedulerSide:
             request.kv_transfer_params = params
         if isinstance(token, str) and is_token(token):
             return token
-        if request.request_id not in self._bad_tokens:
-            self._bad_tokens.add(request.request_id)
+        if not record.bad_token_logged:
+            record.bad_token_logged = True
             logger.warning("kvplane: request %s has kv_transfer_params kvplane_token=%r, not 32 lowercase hex digits "
                            "(kvplane proxy draws it with kvplane.flows.disagg.tokens.new_token()); its KV is not "
                            "held for a decode", request.request_id, token)
@@ -346,15 +332,7 @@ class SchedulerSide:
 
     def held_request_ids(self) -> dict[str, set[str]]:
         """Every per-request table, by name: all empty once every request has ended (the tests check it)."""
-        return {
-            "scheduler.requests": set(self._requests), "scheduler.block_ids": set(self._block_ids),
-            "scheduler.stored": set(self._stored), "scheduler.matched": set(self._matched),
-            "scheduler.int_hashes": {rid for rid, _ in self._int_hashes},
-            "scheduler.layerwise_started": set(self._layerwise_started), "scheduler.held": set(self._held),
-            "scheduler.receiving": set(self._receiving), "scheduler.aborting": set(self._aborting),
-            "scheduler.sending": set(self._sending), "scheduler.bad_tokens": set(self._bad_tokens),
-            "scheduler.lookups": self.lookup.pending() if self.lookup is not None else set(),
-        }
+        return {**self._book.held(), "scheduler.lookups": self.lookup.pending() if self.lookup is not None else set()}
 
     def hit_source(self, request: Any) -> str:
         """Where the request's external tokens come from: ``p2p`` (a prefill instance) or ``host`` (the host
@@ -365,10 +343,11 @@ class SchedulerSide:
     def has_pending_block_frees(self) -> bool:
         """Frees that will come soon without the scheduler doing anything: aborted receives draining, pushes
         under way (a pull's blocks wait for the decode, up to the lease: not soon)."""
-        return bool(self._aborting) or (self.config.mode in ("push", "layerwise") and bool(self._sending))
+        return self._book.any_in(Phase.ABORTING) or \
+            (self.config.mode in ("push", "layerwise") and self._book.any_in(Phase.SENDING))
 
     def has_pending_push_work(self) -> bool:
-        return self.config.mode in ("push", "layerwise") and bool(self._sending or self._aborting)
+        return self.config.mode in ("push", "layerwise") and self._book.any_in(Phase.SENDING, Phase.ABORTING)
 
     def shutdown(self) -> None:
         if self.lookup is not None:
