@@ -34,32 +34,25 @@ class LinkPhase(Enum):
 
 
 _AGAIN = "handshake (deferred while this rank's engine is down)"
+_HELLO = (LinkPhase.HANDSHAKING, LinkPhase.DEFERRED)  # where a handshake leads: sent, or owed until the engine runs
 TRANSITIONS: tuple[tuple[LinkPhase, str, LinkPhase], ...] = (
-    (LinkPhase.NEW, f"a request or decline names the rank: {_AGAIN}", LinkPhase.HANDSHAKING),
-    (LinkPhase.NEW, f"a request or decline names the rank: {_AGAIN}", LinkPhase.DEFERRED),
+    *((LinkPhase.NEW, f"a request or decline names the rank: {_AGAIN}", to) for to in _HELLO),
     (LinkPhase.DEFERRED, "this rank's engine runs again", LinkPhase.HANDSHAKING),
     (LinkPhase.DEFERRED, "handshake_timeout_s passed", LinkPhase.FAILED),
     (LinkPhase.HANDSHAKING, "the answer checks out", LinkPhase.PROBING),
     (LinkPhase.HANDSHAKING, "rejected, a bad answer, or handshake_timeout_s passed", LinkPhase.FAILED),
-    (LinkPhase.HANDSHAKING, f"the answer is to a handshake from before this rank's reset: {_AGAIN}",
-     LinkPhase.HANDSHAKING),
-    (LinkPhase.HANDSHAKING, f"the answer is to a handshake from before this rank's reset: {_AGAIN}",
-     LinkPhase.DEFERRED),
+    *((LinkPhase.HANDSHAKING, f"the answer is to a handshake from before this rank's reset: {_AGAIN}", to)
+      for to in _HELLO),
     (LinkPhase.PROBING, "the transport answers", LinkPhase.READY),
     (LinkPhase.PROBING, "the transport does not answer, or handshake_timeout_s passed", LinkPhase.FAILED),
     (LinkPhase.READY, "a transport was reset, or a READ from the rank failed", LinkPhase.STALE),
-    (LinkPhase.READY, f"a request names another lifetime of the rank, or this rank's engine restarted: {_AGAIN}",
-     LinkPhase.HANDSHAKING),
-    (LinkPhase.READY, f"a request names another lifetime of the rank, or this rank's engine restarted: {_AGAIN}",
-     LinkPhase.DEFERRED),
-    (LinkPhase.STALE, f"a request names the rank: {_AGAIN}", LinkPhase.HANDSHAKING),
-    (LinkPhase.STALE, f"a request names the rank: {_AGAIN}", LinkPhase.DEFERRED),
+    *((LinkPhase.READY, f"a request names another lifetime of the rank, or this rank's engine restarted: {_AGAIN}",
+       to) for to in _HELLO),
+    *((LinkPhase.STALE, f"a request names the rank: {_AGAIN}", to) for to in _HELLO),
     (LinkPhase.FAILED, "a late answer to its latest handshake checks out", LinkPhase.PROBING),
     (LinkPhase.FAILED, "a late answer to its latest handshake does not check out", LinkPhase.FAILED),
-    (LinkPhase.FAILED, f"a request names it, or a decline waits for it past its backoff: {_AGAIN}",
-     LinkPhase.HANDSHAKING),
-    (LinkPhase.FAILED, f"a request names it, or a decline waits for it past its backoff: {_AGAIN}",
-     LinkPhase.DEFERRED),
+    *((LinkPhase.FAILED, f"a request names it, or a decline waits for it past its backoff: {_AGAIN}", to)
+      for to in _HELLO),
 )
 _ALLOWED = {(a, b) for a, _, b in TRANSITIONS}
 
