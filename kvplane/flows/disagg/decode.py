@@ -51,6 +51,7 @@ from kvplane.flows.disagg import channel
 from kvplane.flows.disagg.auth import Guard, curve_keys
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.declines import PendingDeclines
+from kvplane.flows.disagg.decode_kit import DecodeKit
 from kvplane.flows.disagg.decode_request import DecodeRequest, Ident
 from kvplane.flows.disagg.decode_shell import DecodeShell
 from kvplane.flows.disagg.decode_start import Starter
@@ -103,7 +104,7 @@ class DecodeSide(DecodeShell):
             self._mover = Mover(f"kvplane-decode-{config.rank}-transfers", self.local.transport, "READ",
                                 config.max_inflight, self._loop.submit, on_reset=self._on_reset)
             undo.callback(self._mover.stop)
-            self._starter = Starter(self)
+            self._starter = Starter(DecodeKit(self.local, self.counters, self._mover, self._moved, self._loop.submit))
             undo.callback(self._starter.close)
             self._prober = Prober(self.local.transport, self._loop.submit, config.probe_timeout_s)
             self._loop.start()  # last: nothing after it can fail, so a started loop is never undone

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvplane.blocks.groups import Ids
 from kvplane.flows.disagg import channel
+from kvplane.flows.disagg.decode_kit import DecodeKit
 from kvplane.flows.disagg.errors import DisaggError
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.rank_manifests import check_alike
@@ -42,9 +42,6 @@ from kvplane.plan.planner import StagedLayer, TransferPlan
 from kvplane.plan.relayout import apply_relayout
 from kvplane.runtime.executor import Executor
 
-if TYPE_CHECKING:
-    from kvplane.flows.disagg.decode import DecodeSide
-
 logger = logging.getLogger("kvplane.disagg")
 Direct = dict[int, TransferPlan | None]  # per prefill rank: the plan of its layers that land directly
 WHOLE = (0, 1 << 62)  # plan as if the whole request had one range: only the sizes and offsets are read
@@ -55,25 +52,25 @@ def _stride(nbytes: int) -> int:
 
 
 class Starter:
-    def __init__(self, side: DecodeSide) -> None:
-        self.side = side
-        self.relayouts = Executor(f"kvplane-decode-{side.config.rank}-relayout")
+    def __init__(self, kit: DecodeKit) -> None:
+        self.kit = kit
+        self.relayouts = Executor(f"kvplane-decode-{kit.local.config.rank}-relayout")
 
     def close(self) -> None:
         """Drop re-layouts not begun (their chunks end failed), and wait for a running one to end; a device that
         hangs it is logged after ``transfer_timeout_s``, and the side closes anyway."""
-        timeout_s = self.side.config.transfer_timeout_s
+        timeout_s = self.kit.local.config.transfer_timeout_s
         if not self.relayouts.close(discard_pending=True, timeout_s=timeout_s):
             logger.error("decode rank %d: a re-layout of staged blocks did not end within transfer_timeout_s=%s; "
-                         "closing the side with it still running", self.side.config.rank, timeout_s)
+                         "closing the side with it still running", self.kit.local.config.rank, timeout_s)
 
     def start(self, want: Want) -> set[int] | None:
         """Plan the request, take its staging room and submit its READs (pull) or send its registration (push):
         the prefill ranks it went to, or None while no staging room is free (retried on each tick until its
         deadline). Raises ``KvplaneError`` when it cannot be planned; nothing was submitted then."""
-        sources = layers_by_source(self.side.local.manifest, want.params.tp_size, want.params.remote_request_id)
+        sources = layers_by_source(self.kit.local.manifest, want.params.tp_size, want.params.remote_request_id)
         srcs = [conn.record.manifest for conn in want.conns if conn.record is not None]
-        want.first = first_tokens(srcs, self.side.local.manifest, want.local_tokens, want.num_tokens)
+        want.first = first_tokens(srcs, self.kit.local.manifest, want.local_tokens, want.num_tokens)
         if want.mode == "pull":
             pull = self._plan_pull(want, sources)
             return None if pull is None else self._start_reads(want, *pull)
@@ -84,7 +81,7 @@ class Starter:
         """A push's staging ``(offset, bytes)`` per prefill rank that needs it, for the whole request; None when
         the arena is full for now. All ranks' ranges are taken or none: their summed need is checked against the
         buffer before anything is taken. Sized once while it waits for room (see ``_plan_pull``)."""
-        arena = self.side.local.arena
+        arena = self.kit.local.arena
         records = tuple(conn.record for conn in want.conns)
         if not isinstance(want.planned, PushPlan) or not want.planned.made_from(records):
             want.planned = PushPlan(tuple(r for r in records if r is not None), self._size_push(want, sources))
@@ -117,7 +114,7 @@ class Starter:
             assert conn.record is not None
             key = tuple(layers)
             if conn.stages.get(key, True):
-                need = staging_needed(conn.record.manifest, self.side.local.manifest,
+                need = staging_needed(conn.record.manifest, self.kit.local.manifest,
                                       _stand_in_ids(conn, want.num_tokens), want.block_ids, want.num_tokens, layers,
                                       want.first)
                 conn.stages[key] = need > 0
@@ -140,9 +137,9 @@ class Starter:
             want.planned = None
             return direct, [], -1, 0
         slot_bytes = max(c.nbytes for c in chunks)
-        offset = self.side.local.arena.take(_stride(slot_bytes) * (slots - 1) + slot_bytes)
+        offset = self.kit.local.arena.take(_stride(slot_bytes) * (slots - 1) + slot_bytes)
         if offset is None and slots > 1:  # other requests hold part of the buffer: one chunk at a time
-            slots, offset = 1, self.side.local.arena.take(slot_bytes)
+            slots, offset = 1, self.kit.local.arena.take(slot_bytes)
         if offset is None:
             return None
         want.planned = None
@@ -175,24 +172,24 @@ class Starter:
             staged.append((rank, whole.staged))
         if not staged:
             return direct, [], 0
-        bound, slots = chunk_bound(self.side.local.arena.size, [x for _, of_rank in staged for x in of_rank])
+        bound, slots = chunk_bound(self.kit.local.arena.size, [x for _, of_rank in staged for x in of_rank])
         chunks: list[Chunk] = []
         for rank, of_rank in staged:
-            remote = after_first(manifests[rank], self.side.local.manifest, want.remote_ids, want.block_ids,
+            remote = after_first(manifests[rank], self.kit.local.manifest, want.remote_ids, want.block_ids,
                                  want.num_tokens, want.first)[0]  # the plan's source blocks start at want.first
-            ids = {x.layer_name: remote[self.side.spec.layer(x.layer_name).group_id] for x in of_rank}
+            ids = {x.layer_name: remote[self.kit.local.spec.layer(x.layer_name).group_id] for x in of_rank}
             chunks += split_staged(rank, of_rank, ids, bound)
         return direct, chunks, min(slots, len(chunks))
 
     def _route(self, want: Want, src: Manifest, layers: list[str], staging: tuple[int, int] | None) -> TransferPlan:
-        return route_plan(src, self.side.local.manifest, want.remote_ids, want.block_ids, want.num_tokens, layers,
+        return route_plan(src, self.kit.local.manifest, want.remote_ids, want.block_ids, want.num_tokens, layers,
                           staging, want.first)
 
     def _start_reads(self, want: Want, direct: Direct, chunks: list[Chunk], offset: int, slots: int) -> set[int]:
         pull = None
         if chunks:
             slot_bytes = max(c.nbytes for c in chunks)
-            pull = StagedPull(self.side, want, chunks, offset, [offset + i * _stride(slot_bytes) for i in range(slots)],
+            pull = StagedPull(self.kit, want, chunks, offset, [offset + i * _stride(slot_bytes) for i in range(slots)],
                               slot_bytes, {rank for rank, tp in direct.items() if tp is not None}, self.relayouts)
         for rank, tp in direct.items():
             conn = want.conns[rank]
@@ -200,8 +197,8 @@ class Starter:
             if tp is None:
                 continue
             ended = partial(pull.direct_ended, rank) if pull is not None and rank in pull.ranks \
-                else partial(self.side._moved, want, rank)
-            self.side._mover.put(conn.record.handle, tp.plan, ended)
+                else partial(self.kit.moved, want, rank)
+            self.kit.mover.put(conn.record.handle, tp.plan, ended)
         if pull is not None:
             pull.pump()
         return set(direct)
@@ -213,8 +210,8 @@ class Starter:
             if area:  # plan here too, for the staged layers this rank re-lays out once the push lands
                 conn = want.conns[rank]
                 assert conn.record is not None
-                tp = route_plan(conn.record.manifest, self.side.local.manifest, _stand_in_ids(conn, want.num_tokens),
-                                want.block_ids, want.num_tokens, layers, (self.side.local.staging_addr + area[0], area[1]),
+                tp = route_plan(conn.record.manifest, self.kit.local.manifest, _stand_in_ids(conn, want.num_tokens),
+                                want.block_ids, want.num_tokens, layers, (self.kit.local.staging_addr + area[0], area[1]),
                                 want.first)
                 want.staged.append((area[0], area[1], tp))
         for conn in want.conns:
@@ -222,30 +219,30 @@ class Starter:
             area = staging.get(conn.rank)
             channel.send(conn.socket, PushRegister(
                 request_id=want.params.remote_request_id,
-                engine_id=self.side.config.engine_id,
-                rank=self.side.config.rank,
-                tp_size=self.side.config.tp_size,
+                engine_id=self.kit.local.config.engine_id,
+                rank=self.kit.local.config.rank,
+                tp_size=self.kit.local.config.tp_size,
                 block_ids={g: ids.tolist() for g, ids in want.block_ids.items()},
                 num_tokens=want.num_tokens,
-                staging_addr=self.side.local.staging_addr + area[0] if area else 0,
+                staging_addr=self.kit.local.staging_addr + area[0] if area else 0,
                 staging_bytes=area[1] if area else 0,
                 expect_boot=conn.record.boot_id,
                 token=want.params.kvplane_token,
                 first_tokens={g: t for g, t in want.first.items() if t},
-            ), self.side.counters)
+            ), self.kit.counters)
         return set(range(want.params.tp_size))
 
     def relayout(self, want: Want) -> None:
-        staging = self.side.local.staging
+        staging = self.kit.local.staging
         if not want.staged or staging is None:
             return
         for offset, nbytes, tp in want.staged:
             area = staging[offset : offset + nbytes]
             for staged in tp.staged:
-                layer = self.side.spec.layer(staged.layer_name)
-                apply_relayout(staged, area, layer, self.side.local.layouts[layer.family],
-                               self.side.kv_caches[staged.layer_name])
-        self.side.backend.synchronize()
+                layer = self.kit.local.spec.layer(staged.layer_name)
+                apply_relayout(staged, area, layer, self.kit.local.layouts[layer.family],
+                               self.kit.local.kv_caches[staged.layer_name])
+        self.kit.local.backend.synchronize()
 
 
 def _stand_in_ids(conn: Conn, num_tokens: int) -> dict[int, Ids]:

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future
 from functools import partial
-from typing import TYPE_CHECKING
 
 from kvplane.errors import KvplaneError
+from kvplane.flows.disagg.decode_kit import DecodeKit
 from kvplane.flows.disagg.errors import RelayoutError
 from kvplane.flows.disagg.records import Want
 from kvplane.flows.disagg.staging_chunks import Chunk
@@ -31,16 +31,13 @@ from kvplane.plan.relayout import apply_relayout
 from kvplane.runtime import ExecutorClosed
 from kvplane.runtime.executor import Executor
 
-if TYPE_CHECKING:
-    from kvplane.flows.disagg.decode import DecodeSide
-
 _CLOSING = "re-layout of staged blocks did not run: the side's re-layout thread is closed (the side is closing)"
 
 
 class StagedPull:
-    def __init__(self, side: DecodeSide, want: Want, chunks: list[Chunk], offset: int, slots: list[int],
+    def __init__(self, kit: DecodeKit, want: Want, chunks: list[Chunk], offset: int, slots: list[int],
                  slot_bytes: int, direct_ranks: set[int], relayouts: Executor) -> None:
-        self.side, self.want, self.relayouts = side, want, relayouts
+        self.kit, self.want, self.relayouts = kit, want, relayouts
         self.offset, self.slot_bytes = offset, slot_bytes
         self._queue = deque(chunks)
         self._free = list(slots)  # absolute offsets in the staging buffer
@@ -70,8 +67,8 @@ class StagedPull:
             self._busy += 1
             record = self.want.conns[chunk.rank].record
             assert record is not None  # every rank handshook before the request started
-            plan = chunk.plan_at(self.side.local.staging_addr + slot)
-            self.side._mover.put(record.handle, plan, partial(self._read, chunk, slot))
+            plan = chunk.plan_at(self.kit.local.staging_addr + slot)
+            self.kit.mover.put(record.handle, plan, partial(self._read, chunk, slot))
 
     def direct_ended(self, rank: int, error: KvplaneError | None) -> None:
         """Rank ``rank``'s direct READ ended (on the loop)."""
@@ -95,22 +92,22 @@ class StagedPull:
     def _dropped(self, chunk: Chunk, slot: int, job: Future[None]) -> None:  # on either thread
         """A re-layout the executor dropped unrun at close ends its chunk failed, like one it refused."""
         if job.cancelled():
-            self.side._loop.submit(lambda: self._relaid(chunk, slot, RelayoutError(_CLOSING)))
+            self.kit.submit(lambda: self._relaid(chunk, slot, RelayoutError(_CLOSING)))
 
     def _relayout(self, chunk: Chunk, slot: int) -> None:  # on the re-layout thread
         error: KvplaneError | None = None
         try:
-            staging = self.side.local.staging
+            staging = self.kit.local.staging
             assert staging is not None  # a range was taken from it
             area = staging[slot : slot + self.slot_bytes]
             for staged in chunk.staged:
-                layer = self.side.spec.layer(staged.layer_name)
-                apply_relayout(staged, area, layer, self.side.local.layouts[layer.family],
-                               self.side.kv_caches[staged.layer_name])
-            self.side.backend.synchronize()
+                layer = self.kit.local.spec.layer(staged.layer_name)
+                apply_relayout(staged, area, layer, self.kit.local.layouts[layer.family],
+                               self.kit.local.kv_caches[staged.layer_name])
+            self.kit.local.backend.synchronize()
         except Exception as e:  # a re-layout that fails leaves the blocks untrustworthy
             error = RelayoutError(f"re-layout of staged blocks failed: {e!r}")
-        self.side._loop.submit(lambda: self._relaid(chunk, slot, error))
+        self.kit.submit(lambda: self._relaid(chunk, slot, error))
 
     def _relaid(self, chunk: Chunk, slot: int, error: KvplaneError | None) -> None:  # on the loop
         if error is not None:
@@ -138,7 +135,7 @@ class StagedPull:
     def _end(self, ranks: list[int]) -> None:
         """Report ranks whose parts all ended; the range goes back first once nothing uses it any more."""
         if not self._queue and not self._busy and self.offset >= 0:
-            self.side.local.arena.give(self.offset)
+            self.kit.local.arena.give(self.offset)
             self.offset = -1
         for rank in ranks:
-            self.side._moved(self.want, rank, self._errors.get(rank))
+            self.kit.moved(self.want, rank, self._errors.get(rank))
