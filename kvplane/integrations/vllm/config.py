@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from kvplane.backend.registry import ENV_VAR as DEVICE_ENV
@@ -106,7 +106,7 @@ class ConnectorConfig:
     boot_id: str
     tp_size: int = 1
     offload: OffloadConfig | None = None
-    disagg: Mapping[str, Any] | None = None  # DisaggConfig fields less FROM_VLLM; per rank in ``disagg_for``
+    disagg: DisaggConfig | None = None  # rank 0 of this DP rank, built and checked once; per rank in ``disagg_for``
     device: str | None = None
     layouts: Mapping[str, str] | None = None
     lookup_timeout_s: float = 5.0
@@ -123,25 +123,25 @@ class ConnectorConfig:
 
     @property
     def mode(self) -> str:
-        return str((self.disagg or {}).get("mode", "pull"))
+        return self.disagg.mode if self.disagg is not None else "pull"
 
     @property
     def host(self) -> str:
         """The advertised side-channel address (the environment's override applied)."""
-        return str((self.disagg or {}).get("host", "127.0.0.1"))
+        return self.disagg.host if self.disagg is not None else "127.0.0.1"
 
     @property
     def port(self) -> int:
         """The instance's base side-channel port; DP rank d's starts at ``port + d*tp_size``."""
-        return int((self.disagg or {}).get("port", DEFAULT_PORT))
+        return self.disagg.port if self.disagg is not None else DEFAULT_PORT
 
     def disagg_for(self, rank: int) -> DisaggConfig:
         """The ``DisaggConfig`` of TP rank ``rank`` of this DP rank (listening on ``port + dp_rank*tp_size +
-        rank``); the environment's overrides are already in ``disagg``."""
-        raw = {"port": DEFAULT_PORT, **(self.disagg or {})}
-        vllm = {"engine_id": self.engine_id, "boot_id": self.boot_id, "rank": rank, "tp_size": self.tp_size,
-                "dp_rank": self.dp_rank}
-        return DisaggConfig.from_dict({**raw, **vllm}, what=WHAT, path="$.disagg", env={})
+        rank``); the environment's overrides are already in it."""
+        if self.disagg is None:
+            raise ConnectorConfigError(f"{WHAT}: no 'disagg' section, so TP rank {rank} has no DisaggConfig; add "
+                                       f"'disagg': {{'mode': 'pull', 'port': ...}} to kv_connector_extra_config")
+        return replace(self.disagg, rank=rank)
 
     @classmethod
     def from_extra(
@@ -192,12 +192,11 @@ class ConnectorConfig:
                     f"{WHAT}: $.disagg.port=0: the scheduler puts the port into kv_transfer_params before the "
                     f"workers bind it, so it must be fixed; pick a base port (TP rank r of DP rank d listens on "
                     f"port + d*tp_size + r)", env))
-            disagg = dict(raw)
-        config = cls(role, safe_id, boot_id, tp_size, offload, disagg, typed.device, typed.layouts,
-                     typed.lookup_timeout_s, typed.cross_layer_blocks, dp_rank)
-        if disagg is not None:
-            try:
-                config.disagg_for(0)  # every type and DisaggConfig check, now rather than in a worker
+            vllm = {"engine_id": safe_id, "boot_id": boot_id, "rank": 0, "tp_size": tp_size, "dp_rank": dp_rank}
+            try:  # every type and DisaggConfig check, now rather than in a worker
+                disagg = DisaggConfig.from_dict({"port": DEFAULT_PORT, **raw, **vllm}, what=WHAT, path="$.disagg",
+                                                env={})
             except DisaggConfigError as e:
                 raise ConnectorConfigError(blame(str(e), env)) from e
-        return config
+        return cls(role, safe_id, boot_id, tp_size, offload, disagg, typed.device, typed.layouts,
+                   typed.lookup_timeout_s, typed.cross_layer_blocks, dp_rank)
