@@ -10,11 +10,16 @@ out is reported sent exactly once, a stray or repeated completion never; once al
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvplane.integrations.vllm import scheduler_book, worker_book
 from kvplane.integrations.vllm.worker_book import TRANSITIONS, Inbound, Outbound, WorkerBook
+from kvplane.machines import transitions_table
 
 IDS = st.sampled_from([f"r{i}" for i in range(5)])
 
@@ -119,3 +124,11 @@ TestBook.settings = settings(max_examples=300, stateful_step_count=40, deadline=
 def test_the_table_names_every_phase() -> None:
     named = {a for a, _, _ in TRANSITIONS} | {b for _, _, b in TRANSITIONS}
     assert named == {p.name for p in (*Inbound, *Outbound)} | {"-"}
+
+
+def test_docs_carry_both_books_tables() -> None:
+    text = (Path(__file__).parents[2] / "docs" / "vllm.md").read_text()
+    for name, module in (("scheduler-book", scheduler_book), ("worker-book", worker_book)):
+        block = re.search(rf"<!-- {name}:begin -->\n(.*?)\n<!-- {name}:end -->", text, re.S)
+        assert block is not None, f"docs/vllm.md lost its {name} block"
+        assert block.group(1) == transitions_table(module.TRANSITIONS), f"docs/vllm.md: paste the {name} table in"

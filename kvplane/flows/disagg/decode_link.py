@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from kvplane import machines
+
 RETRY_FIRST_S = 0.5  # a failed handshake with a rank that declines wait for is tried again after this, doubling
 RETRY_MAX_S = 30.0
 
@@ -59,8 +61,7 @@ _ALLOWED = {(a, b) for a, _, b in TRANSITIONS}
 
 def transitions_table() -> str:
     """The link machine's transitions as the markdown table docs/disagg.md carries."""
-    rows = [f"| `{a.name}` | {why} | `{b.name}` |" for a, why, b in TRANSITIONS]
-    return "\n".join(["| from | event | to |", "|---|---|---|", *rows])
+    return machines.transitions_table(TRANSITIONS)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
+from kvplane import machines
 from kvplane.flows.disagg.decode_actions import (
     ERROR,
     INFO,
@@ -59,8 +60,7 @@ _ALLOWED = {(a, b) for a, _, b in TRANSITIONS}
 
 def transitions_table() -> str:
     """The decode machine's transitions as the markdown table docs/disagg.md carries."""
-    rows = [f"| `{a.name}` | {why} | `{b.name}` |" for a, why, b in TRANSITIONS]
-    return "\n".join(["| from | event | to |", "|---|---|---|", *rows])
+    return machines.transitions_table(TRANSITIONS)
 
 
 @dataclass(frozen=True)
