@@ -1,6 +1,7 @@
 """What the scheduler-side connector tells the worker-side connectors for one step.
 
-Plain data (ints, strings, dicts of lists) so vLLM can ship it to worker processes (and back:
+Plain data (ints, strings, dicts of lists, and ``kv_transfer_params`` as the ``TransferParams`` the scheduler
+half parsed them into once: a msgspec struct, which pickles) so vLLM can ship it to worker processes (and back:
 ``KVPlaneWorkerMeta``). Block ids and hashes are
 ``{group_id: [...]}`` over the kvplane spec's groups (vLLM's KV-cache group indices).
 """
@@ -8,8 +9,8 @@ Plain data (ints, strings, dicts of lists) so vLLM can ship it to worker process
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvplane.flows.disagg.params import TransferParams
 from kvplane.integrations.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 Groups = dict[int, list[int]]
@@ -33,10 +34,10 @@ class Receive:
     blocks), which vLLM's prefix cache on this instance holds already."""
 
     request_id: str
-    params: dict[str, Any]
+    params: TransferParams | None  # parsed once, by the scheduler half (its mode settled there); None: unparsable
     block_ids: Groups
     num_tokens: int
-    refused: str = ""  # why these params cannot be this request's: the worker fails the receive and declines them
+    refused: str = ""  # why the receive cannot run: the worker fails it (and declines parsed params: not this request's)
     local_tokens: dict[int, int] = field(default_factory=dict)
 
 
@@ -63,7 +64,7 @@ class KVPlaneMetadata(KVConnectorMetadata):
     layerwise: list[Send] = field(default_factory=list)  # before this step's forward: pushed layer by layer
     sends: list[Send] = field(default_factory=list)  # finished: the blocks are the connector's until reported
     aborts: list[str] = field(default_factory=list)
-    declines: list[dict[str, Any]] = field(default_factory=list)  # receives vLLM dropped unstarted: their params
+    declines: list[TransferParams] = field(default_factory=list)  # receives vLLM dropped unstarted: their params
     released: list[str] = field(default_factory=list)  # lookups whose promised blocks will not be loaded
 
 

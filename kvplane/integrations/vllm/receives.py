@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg import Completion, DecodeSide
+from kvplane.flows.disagg import Completion, DecodeSide, TransferParams
 from kvplane.integrations.vllm.metadata import Receive
 
 logger = logging.getLogger("kvplane.vllm")
@@ -33,7 +33,7 @@ def _hit_holds_kv(spec: Any) -> bool:
     return bool(getattr(spec, "prefix_cacheable", True)) and not getattr(spec, "prefix_replay_tokens", 0)
 
 
-def start_receives(decode: DecodeSide | None, receives: Sequence[Receive], mode: str, skipping: frozenset[int]
+def start_receives(decode: DecodeSide | None, receives: Sequence[Receive], skipping: frozenset[int]
                    ) -> tuple[list[str], list[Completion]]:
     """Start each receive: the request ids started, and the failures to report for those that could not start."""
     started, failed = [], []
@@ -43,7 +43,7 @@ def start_receives(decode: DecodeSide | None, receives: Sequence[Receive], mode:
                 f"request {r.request_id!r} asks to receive KV but this instance has no decode side; set kv_role "
                 f"to kv_consumer or kv_both and give kv_connector_extra_config a 'disagg' section"
             )
-        failure = start_receive(decode, r, mode, skipping)
+        failure = start_receive(decode, r, skipping)
         if failure is None:
             started.append(r.request_id)
         else:
@@ -51,20 +51,22 @@ def start_receives(decode: DecodeSide | None, receives: Sequence[Receive], mode:
     return started, failed
 
 
-def start_receive(decode: DecodeSide, r: Receive, mode: str, skipping: frozenset[int]) -> Completion | None:
-    """Start ``r`` (its params' ``kvplane_mode``, else ``mode``), leaving out the tokens vLLM holds in the groups
-    of ``skipping``; the failure to report when it cannot start (vLLM's policy takes it), None when it started."""
+def start_receive(decode: DecodeSide, r: Receive, skipping: frozenset[int]) -> Completion | None:
+    """Start ``r`` in its params' mode, leaving out the tokens vLLM holds in the groups of ``skipping``; the
+    failure to report when it cannot start (vLLM's policy takes it), None when it started."""
     local = {g: n for g, n in r.local_tokens.items() if g in skipping and n > 0}
     try:
+        if r.params is None:  # the scheduler half could not parse them: nothing names a prefill to tell
+            raise KvplaneError(r.refused)
         if r.refused:  # params of another request: fail it by vLLM's policy, and let the prefill free now
             decline(decode, r.params)
             raise KvplaneError(r.refused)
-        if r.params.get("kvplane_mode", mode) == "pull":
+        if r.params.kvplane_mode == "pull":
             decode.start_pull(r.request_id, r.params, r.block_ids, r.num_tokens, local)
         else:
             decode.register_push(r.request_id, r.params, r.block_ids, r.num_tokens, local)
         return None
-    except KvplaneError as e:  # malformed params: the request recomputes (or fails) by vLLM's policy
+    except KvplaneError as e:  # params that cannot be used: the request recomputes (or fails) by vLLM's policy
         logger.warning("kvplane: request %s cannot receive KV: %s", r.request_id, e)
         failed = {g: tuple(ids[local.get(g, 0) // _block_size(decode, g) :]) for g, ids in r.block_ids.items()}
         return Completion(r.request_id, "failed", failed, str(e))
@@ -75,7 +77,7 @@ def _block_size(decode: DecodeSide, group: int) -> int:
     return groups.get(group, 1)
 
 
-def decline(decode: DecodeSide | None, params: dict[str, Any]) -> None:
+def decline(decode: DecodeSide | None, params: TransferParams) -> None:
     """A receive vLLM dropped before starting it (the client went away): the prefill frees its blocks now."""
     if decode is None:
         return
@@ -83,7 +85,7 @@ def decline(decode: DecodeSide | None, params: dict[str, Any]) -> None:
         decode.decline(params)
     except KvplaneError as e:  # params that name no request: the prefill frees it at its lease's end
         logger.warning("kvplane: could not decline the receive of prefill request %r: %s",
-                       params.get("remote_request_id"), e)
+                       params.remote_request_id, e)
 
 
 def finished_receives(decode: DecodeSide, receiving: set[str]) -> list[Completion]:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvplane.blocks.groups import HOLE
+from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.config import DisaggConfig
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.tokens import is_token, new_token
@@ -103,6 +104,14 @@ class SchedulerSide:
                 f"computed another, longer prompt, so its KV is not this request's; forward the kv_transfer_params "
                 f"of this request's own prefill, unchanged (the prefill is told to free its blocks)")
 
+    def _parse(self, params: dict[str, Any]) -> tuple[TransferParams | None, str]:
+        """The request's ``kv_transfer_params``, parsed once for the receive route: its mode is this instance's
+        unless the params name one. ``(None, why)`` when they do not parse."""
+        try:
+            return TransferParams.from_dict({"kvplane_mode": self.config.mode, **params}), ""
+        except KvplaneError as e:
+            return None, str(e)
+
     def _groups(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> Groups | None:
         """vLLM's per-group block ids, or None (logged) when they do not name one list per KV-cache group."""
         if len(block_ids) != len(self.block_sizes):
@@ -154,12 +163,13 @@ class SchedulerSide:
             local, record.matched = record.matched or 0, None  # vLLM's prefix cache held them: not received
             if num_external_tokens > 0:  # vLLM now waits for this receive: it must end, even if it cannot start
                 num_tokens = self._remote_tokens(request)
-                if not ids:
-                    params = {}  # the worker fails a receive without params; vLLM's policy takes it from there
+                typed, refused = self._parse(params) if ids else \
+                    (None, f"block ids for {len(raw)} KV-cache groups, the model has {len(self.block_sizes)}")
+                if not ids:  # the worker fails it; vLLM's policy takes it from there
                     ids = {g: list(v) for g, v in enumerate(raw) if g in self.block_sizes}
-                refused = self._refusal(request) if params else ""
+                refused = refused or self._refusal(request)
                 held = {g: min(local, num_tokens) // bs * bs for g, bs in self.block_sizes.items()}
-                self._meta.receives.append(Receive(rid, dict(params), self._blocks_for(ids, num_tokens), num_tokens,
+                self._meta.receives.append(Receive(rid, typed, self._blocks_for(ids, num_tokens), num_tokens,
                                                    refused, held))
                 self._book.to(rid, Phase.RECEIVING)
             return
@@ -280,7 +290,11 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if self.config.is_decode and params.get("do_remote_prefill") and params.get("remote_engine_id"):
             params["do_remote_prefill"] = False  # never allocated, so never received: the prefill frees it now
-            self._meta.declines.append(dict(params))
+            typed, problem = self._parse(params)
+            if typed is not None:
+                self._meta.declines.append(typed)
+            else:  # nothing names the prefill request: it frees at its lease's end
+                logger.warning("kvplane: could not decline the receive of request %s: %s", rid, problem)
             return None, None
         if not (self.config.is_prefill and params.get("do_remote_decode")):
             return None, None

@@ -197,7 +197,7 @@ class WorkerSide:
             with self._lock:
                 self._load(self.offload, meta, in_store)
         self._start_saves(meta)  # after the loads: a store must not take host blocks a load of this step reads
-        started, failed = start_receives(self.decode, meta.receives, self.config.mode, self._skipping)
+        started, failed = start_receives(self.decode, meta.receives, self._skipping)
         self._failed_receives += failed  # reported with the next completions, by vLLM's policy
         for rid in started:
             self._book.receiving(rid)
