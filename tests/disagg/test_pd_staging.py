@@ -202,9 +202,9 @@ def test_a_failed_relayout_fails_its_request_only_and_keeps_the_prefill_connecti
         prefill.close()
 
 
-def calls_before_each_start(monkeypatch: pytest.MonkeyPatch, side: Any, name: str) -> list[int]:
-    """Count the calls of ``decode_start.<name>``; the list returned gets, at each start attempt of ``side``'s
-    Starter, how many of those calls came before it."""
+def calls_before_each_start(monkeypatch: pytest.MonkeyPatch, side: Any, name: str) -> tuple[list[int], list[int]]:
+    """Count the calls of ``decode_start.<name>``: the calls (one entry each), and a list that gets, at each start
+    attempt of ``side``'s Starter, how many of those calls came before it."""
     real, calls, starts = getattr(decode_start, name), [], []
     real_start = side._starter.start
 
@@ -218,7 +218,7 @@ def calls_before_each_start(monkeypatch: pytest.MonkeyPatch, side: Any, name: st
 
     monkeypatch.setattr(decode_start, name, counted)
     monkeypatch.setattr(side._starter, "start", start)
-    return starts
+    return starts, calls
 
 
 def wait_for_starts(starts: list[int], count: int = 6) -> None:
@@ -237,7 +237,7 @@ def test_a_pull_waiting_for_staging_room_is_planned_once(monkeypatch: pytest.Mon
     prefill = make("prefill", spec, "mla_fused", seed=7)
     decode = make("decode", spec, "mla_split", staging_bytes=3 * source_block_bytes(16))
     side = decode.side
-    starts = calls_before_each_start(monkeypatch, side, "route_plan")
+    starts, _ = calls_before_each_start(monkeypatch, side, "route_plan")
     try:
         arena = side.local.arena
         held = side._loop.submit(lambda: arena.take(arena.size)).result(10)  # another request holds it all
@@ -277,14 +277,15 @@ def test_a_pull_from_prefill_ranks_whose_manifests_differ_is_refused_naming_the_
             r.close()
 
 
-def test_a_push_waiting_for_staging_room_is_sized_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As a pull: a staged push retrying its start on every tick while the buffer is full sizes its staging once
-    (on main at cbeed0c every retry planned the whole request again to size it)."""
+def test_a_push_waiting_for_staging_room_is_planned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a pull: a staged push retrying its start on every tick while the buffer is full plans once (on main at
+    cbeed0c every retry planned the whole request again to size it), and is not planned again when it starts (on
+    main at 46387ea the start planned once more, for the re-layout, what sizing had planned already)."""
     spec = mla(16)
     prefill = make("prefill", spec, "mla_fused", seed=7, mode="push")
     decode = make("decode", spec, "mla_split", mode="push", staging_bytes=4 * 13 * source_block_bytes(16))
     side = decode.side
-    starts = calls_before_each_start(monkeypatch, side, "staging_needed")
+    starts, plans = calls_before_each_start(monkeypatch, side, "route_plan")
     try:
         arena = side.local.arena
         held = side._loop.submit(lambda: arena.take(arena.size)).result(10)  # another request holds it all
@@ -296,6 +297,7 @@ def test_a_push_waiting_for_staging_room_is_sized_once(monkeypatch: pytest.Monke
         side._loop.submit(lambda: arena.give(held)).result(10)
         prefill.side.request_finished("r", p_ids, TOKENS, token=token_for("r"))
         assert decode.wait("r").state == "done"
+        assert len(plans) == starts[1], f"plans made: {len(plans)}, before the first retry: {starts[1]}"
         assert landed(spec, decode, d_ids, prefill, p_ids, TOKENS)
     finally:
         decode.close()

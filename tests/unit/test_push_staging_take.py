@@ -18,8 +18,8 @@ from kvplane.flows.disagg.staging import StagingArena
 
 
 def _starter(arena: StagingArena) -> decode_start.Starter:
-    starter = decode_start.Starter.__new__(decode_start.Starter)  # only the side's arena and manifest are read
-    starter.side = SimpleNamespace(local=SimpleNamespace(arena=arena, manifest=None))  # type: ignore[assignment]
+    starter = decode_start.Starter.__new__(decode_start.Starter)  # only the kit's arena and manifest are read
+    starter.kit = SimpleNamespace(local=SimpleNamespace(arena=arena, manifest=None))  # type: ignore[assignment]
     return starter
 
 
@@ -33,7 +33,7 @@ def needs(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
     """Bytes each prefill rank must stage, by rank (its stand-in source ids carry the rank here)."""
     by_rank: dict[int, int] = {}
     monkeypatch.setattr(decode_start, "_stand_in_ids", lambda conn, n: conn.rank)
-    monkeypatch.setattr(decode_start, "staging_needed", lambda src, dst, rank, *_: by_rank[rank])
+    monkeypatch.setattr(decode_start, "route_plan", lambda src, dst, rank, *_: SimpleNamespace(staging_bytes=by_rank[rank]))
     return by_rank
 
 
@@ -57,8 +57,8 @@ def test_ranks_that_fit_together_each_get_their_own_range(needs: dict[int, int])
     needs.update({0: 256, 1: 512})
     arena = StagingArena(1024)
     got = _starter(arena)._take_staging(_want(2), {0: ["l0"], 1: ["l0"]})
-    assert got is not None and {r: n for r, (_, n) in got.items()} == {0: 256, 1: 512}
-    (a, na), (b, nb) = sorted(got.values())
+    assert got is not None and {r: n for r, (_, n, _) in got.items()} == {0: 256, 1: 512}
+    (a, na), (b, nb) = sorted((offset, n) for offset, n, _ in got.values())
     assert a + na <= b  # the ranges do not overlap
 
 

@@ -32,7 +32,6 @@ from kvplane.flows.disagg.routes import (
     first_tokens,
     layers_by_source,
     route_plan,
-    staging_needed,
 )
 from kvplane.flows.disagg.staged_pull import StagedPull
 from kvplane.flows.disagg.staging import ALIGN
@@ -75,17 +74,19 @@ class Starter:
             pull = self._plan_pull(want, sources)
             return None if pull is None else self._start_reads(want, *pull)
         staging = self._take_staging(want, sources)
-        return None if staging is None else self._start_push(want, sources, staging)
+        return None if staging is None else self._start_push(want, staging)
 
-    def _take_staging(self, want: Want, sources: dict[int, list[str]]) -> dict[int, tuple[int, int]] | None:
-        """A push's staging ``(offset, bytes)`` per prefill rank that needs it, for the whole request; None when
-        the arena is full for now. All ranks' ranges are taken or none: their summed need is checked against the
-        buffer before anything is taken. Sized once while it waits for room (see ``_plan_pull``)."""
+    def _take_staging(self, want: Want, sources: dict[int, list[str]]
+                      ) -> dict[int, tuple[int, int, TransferPlan]] | None:
+        """A push's staging ``(offset, bytes, plan)`` per prefill rank that needs it, for the whole request; None
+        when the arena is full for now. All ranks' ranges are taken or none: their summed need is checked against
+        the buffer before anything is taken. Planned once while it waits for room (see ``_plan_pull``)."""
         arena = self.kit.local.arena
         records = tuple(conn.record for conn in want.conns)
         if not isinstance(want.planned, PushPlan) or not want.planned.made_from(records):
-            want.planned = PushPlan(tuple(r for r in records if r is not None), self._size_push(want, sources))
-        needs = want.planned.needs
+            want.planned = PushPlan(tuple(r for r in records if r is not None), self._plan_push(want, sources))
+        plans = want.planned.plans
+        needs = {rank: tp.staging_bytes for rank, tp in plans.items()}
         sizes = list(needs.values())  # taken in this order; only the last may end in the buffer's unaligned tail
         total = sum(_stride(n) for n in sizes[:-1]) + (sizes[-1] if sizes else 0)
         if total > arena.size:
@@ -95,32 +96,33 @@ class Starter:
                 f"in bounded chunks): request {want.request_id!r} needs {total} B ({per_rank}) but "
                 f"DisaggConfig.staging_bytes={arena.size}; raise it to at least {total}, or pull requests this large"
             )
-        out: dict[int, tuple[int, int]] = {}
+        out: dict[int, tuple[int, int, TransferPlan]] = {}
         for rank, need in needs.items():
             offset = arena.take(need)
             if offset is None:
-                for o, _ in out.values():
+                for o, _, _ in out.values():
                     arena.give(o)
                 return None
-            out[rank] = (offset, need)
+            out[rank] = (offset, need, plans[rank])
         want.planned = None
         return out
 
-    def _size_push(self, want: Want, sources: dict[int, list[str]]) -> dict[int, int]:
-        """The staging bytes of each prefill rank whose layers a push stages."""
-        needs: dict[int, int] = {}
+    def _plan_push(self, want: Want, sources: dict[int, list[str]]) -> dict[int, TransferPlan]:
+        """The plan of each prefill rank whose layers a push stages, made once: the layers this rank re-lays out
+        once the push landed, and the staging bytes they take. Planned as if the range started at 0: the staged
+        layers' offsets are relative to the range, so the plan holds wherever the range is taken."""
+        plans: dict[int, TransferPlan] = {}
         for rank, layers in sources.items():
             conn = want.conns[rank]
             assert conn.record is not None
             key = tuple(layers)
             if conn.stages.get(key, True):
-                need = staging_needed(conn.record.manifest, self.kit.local.manifest,
-                                      _stand_in_ids(conn, want.num_tokens), want.block_ids, want.num_tokens, layers,
-                                      want.first)
-                conn.stages[key] = need > 0
-                if need:
-                    needs[rank] = need
-        return needs
+                tp = route_plan(conn.record.manifest, self.kit.local.manifest, _stand_in_ids(conn, want.num_tokens),
+                                want.block_ids, want.num_tokens, layers, WHOLE, want.first)
+                conn.stages[key] = tp.staging_bytes > 0
+                if tp.staging_bytes:
+                    plans[rank] = tp
+        return plans
 
     def _plan_pull(self, want: Want, sources: dict[int, list[str]]) -> tuple[Direct, list[Chunk], int, int] | None:
         """Per prefill rank the plan of its layers that land directly, the chunks staging the rest, and the
@@ -203,17 +205,8 @@ class Starter:
             pull.pump()
         return set(direct)
 
-    def _start_push(self, want: Want, sources: dict[int, list[str]], staging: dict[int, tuple[int, int]]
-                    ) -> set[int]:
-        for rank, layers in sources.items():
-            area = staging.get(rank)
-            if area:  # plan here too, for the staged layers this rank re-lays out once the push lands
-                conn = want.conns[rank]
-                assert conn.record is not None
-                tp = route_plan(conn.record.manifest, self.kit.local.manifest, _stand_in_ids(conn, want.num_tokens),
-                                want.block_ids, want.num_tokens, layers, (self.kit.local.staging_addr + area[0], area[1]),
-                                want.first)
-                want.staged.append((area[0], area[1], tp))
+    def _start_push(self, want: Want, staging: dict[int, tuple[int, int, TransferPlan]]) -> set[int]:
+        want.staged.extend(staging.values())  # the staged layers each rank re-lays out once the push lands
         for conn in want.conns:
             assert conn.record is not None
             area = staging.get(conn.rank)

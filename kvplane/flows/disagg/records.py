@@ -66,7 +66,7 @@ class PullPlan(Planned):
 
 @dataclass(frozen=True)
 class PushPlan(Planned):
-    needs: dict[int, int]  # per prefill rank that stages: the bytes of its staging range
+    plans: dict[int, TransferPlan]  # per prefill rank that stages: its plan (made once: staged layers, their bytes)
 
 
 @dataclass

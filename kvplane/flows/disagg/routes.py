@@ -23,7 +23,7 @@ from kvplane.blocks.groups import Ids
 from kvplane.errors import PlanError
 from kvplane.kv.manifest import Manifest
 from kvplane.plan.heads import replica_rank, source_ranks
-from kvplane.plan.planner import REPLICATED_FAMILIES, TransferPlan, plan_transfer, staging_bytes_needed
+from kvplane.plan.planner import REPLICATED_FAMILIES, TransferPlan, plan_transfer
 
 # per layer of a destination, in order: the source ranks holding its heads, or None where every rank holds them
 # all (replicated: one rank per request). Keyed by (id of the manifest, source TP), the manifest held with it.
@@ -99,20 +99,6 @@ def after_first(src: Manifest, dst: Manifest, src_ids: Mapping[int, Ids], dst_id
 
 def tokens_by_group(manifest: Manifest, num_tokens: int) -> dict[int, int]:
     return {g.group_id: num_tokens for g in manifest.spec.groups}
-
-
-def staging_needed(
-    src: Manifest,
-    dst: Manifest,
-    src_ids: Mapping[int, Ids],
-    dst_ids: Mapping[int, Ids],
-    num_tokens: int,
-    layers: Sequence[str],
-    first: Mapping[int, int] | None = None,
-) -> int:
-    """Staging bytes ``route_plan`` will take for the same arguments."""
-    srcs, dsts, tokens = after_first(src, dst, src_ids, dst_ids, num_tokens, first)
-    return staging_bytes_needed(src, dst, srcs, dsts, tokens, layers=layers)
 
 
 def route_plan(
