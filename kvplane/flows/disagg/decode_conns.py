@@ -75,8 +75,16 @@ class DecodeConnections(SideLifecycle):
                                   self.config.peer_timeout_s)
             conn = self._conns[(host, port)] = Conn(host, port, rank, sock, Link(self.config.handshake_timeout_s))
             self._loop.watch(sock, partial(self._on_readable, conn))
+        self._renew(conn)
         self._link(conn, conn.link.need(time.monotonic(), self._engine(), boot_id))
         return conn
+
+    @staticmethod
+    def _renew(conn: Conn) -> None:
+        """A failed link is about to handshake again: nothing its last peer said is kept (who it was, which
+        layers it made this rank stage), as on a connection never used."""
+        if conn.link.phase is LinkPhase.FAILED:
+            conn.record, conn.checked, conn.stages = None, None, {}
 
     def _engine(self) -> EngineView:
         self.local.handshake()  # made again (and the engine started again) after a reset
@@ -181,5 +189,6 @@ class DecodeConnections(SideLifecycle):
             self._link(conn, conn.link.tick(now, engine))
         for where in self._declines.waiting(now):  # tell ranks a request was given up as soon as they answer
             failed = self._conns.get(where)
-            if failed is not None:
+            if failed is not None and failed.link.phase is LinkPhase.FAILED and now >= failed.link.retry_at:
+                self._renew(failed)
                 self._link(failed, failed.link.retry(now, self._engine()))
