@@ -171,7 +171,7 @@ class SchedulerSide:
                 held = {g: min(local, num_tokens) // bs * bs for g, bs in self.block_sizes.items()}
                 self._meta.receives.append(Receive(rid, typed, self._blocks_for(ids, num_tokens), num_tokens,
                                                    refused, held))
-                self._book.to(rid, Phase.RECEIVING)
+                self._receiving(rid, record)
             return
         loads = num_external_tokens > 0 and self.lookup is not None and bool(ids)
         if record.holds:  # the load below ends the hold on the worker; without one, release it
@@ -190,7 +190,17 @@ class SchedulerSide:
             job.num_tokens, job.wait_in_vllm = num_external_tokens, self.loads_wait_in_vllm
             self._meta.loads.append(job)
             if job.wait_in_vllm:
-                self._book.to(rid, Phase.RECEIVING)  # ends, fails and aborts like a receive
+                self._receiving(rid, record)  # ends, fails and aborts like a receive
+
+    def _receiving(self, rid: str, record: Tracked) -> None:
+        """vLLM now waits for the request's KV. Only a request with nothing in flight gets there (a pushing one was
+        preempted after its push started, which no proxy's one-token prefill allows): anything else is logged,
+        never raised into vLLM's scheduler, and the request is left as it was."""
+        if record.phase is Phase.TRACKED:
+            self._book.to(rid, Phase.RECEIVING)
+        else:
+            logger.error("kvplane: request %s is queued to receive KV while %s; its receive is not tracked (a bug, "
+                         "or a preempted layer-wise prefill)", rid, record.phase.value)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlaneMetadata:
         if self.lookup is not None:  # ended requests whose lookup may have held blocks, once no hold can follow
