@@ -21,7 +21,8 @@ from kvplane.integrations.vllm import scheduler_book, worker_book
 from kvplane.integrations.vllm.worker_book import TRANSITIONS, Inbound, Outbound, WorkerBook
 from kvplane.machines import transitions_table
 
-IDS = st.sampled_from([f"r{i}" for i in range(5)])
+IDS_ALL = [f"r{i}" for i in range(5)]
+IDS = st.sampled_from(IDS_ALL)
 
 
 class BookWorld(RuleBasedStateMachine):
@@ -53,8 +54,9 @@ class BookWorld(RuleBasedStateMachine):
     @rule(rid=IDS)
     def end(self, rid: str) -> None:
         """The decode side's completion, or the host load's end, comes; the worker only asks for those it runs."""
-        waited = self.book.receives() | self.book.loads().keys()
+        waited = {r for r in IDS_ALL if self.book.awaits_receive(r) or self.book.load_short(r) is not None}
         assert waited == set(self.inbound)
+        assert all((self.book.load_short(r) is not None) == host for r, host in self.inbound.items())
         if rid not in waited:
             return
         how = self.book.ended(rid)
@@ -62,6 +64,8 @@ class BookWorld(RuleBasedStateMachine):
         self.reported_in.append((rid, how))
         del self.inbound[rid]
         self.aborted.discard(rid)
+        if rid in self.decode_aborts:  # that abort was this receive's; a later one of the same id may abort again
+            self.decode_aborts.remove(rid)
 
     @rule(rid=IDS)
     def failed_to_start(self, rid: str) -> None:

@@ -86,8 +86,9 @@ class DecodeConnections(SideLifecycle):
         if conn.link.phase is LinkPhase.FAILED:
             conn.record, conn.checked, conn.stages = None, None, {}
 
-    def _engine(self) -> EngineView:
-        self.local.handshake()  # made again (and the engine started again) after a reset
+    def _engine(self, refresh: bool = True) -> EngineView:
+        if refresh:
+            self.local.handshake()  # made again (and the engine started again) after a reset
         return EngineView(self.local.transport.generation, self.local.generation == self.local.transport.generation)
 
     def _on_reset(self, why: str) -> None:
@@ -181,10 +182,7 @@ class DecodeConnections(SideLifecycle):
         """Deferred handshakes whose engine runs again, handshakes past their timeout, and failed connections
         a decline waits for whose backoff ended."""
         links = list(self._conns.values())
-        if any(conn.link.phase is LinkPhase.DEFERRED for conn in links):
-            self.local.handshake()  # made again (and the engine started again) once the engine runs
-        gen = self.local.transport.generation
-        engine = EngineView(gen, self.local.generation == gen)
+        engine = self._engine(refresh=any(conn.link.phase is LinkPhase.DEFERRED for conn in links))
         for conn in links:
             self._link(conn, conn.link.tick(now, engine))
         for where in self._declines.waiting(now):  # tell ranks a request was given up as soon as they answer

@@ -13,7 +13,7 @@ holds the blocks of its window and vLLM's null block before). A group vLLM does 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvplane.errors import KvplaneError
@@ -88,12 +88,13 @@ def decline(decode: DecodeSide | None, params: TransferParams) -> None:
                        params.remote_request_id, e)
 
 
-def finished_receives(decode: DecodeSide, receiving: set[str]) -> list[Completion]:
-    """The decode side's completions for requests in ``receiving`` (started here and not reported yet); any other
-    (a peer's stray or repeated one: vLLM asserts on ids it does not wait for) is logged and dropped."""
+def finished_receives(decode: DecodeSide, receiving: Callable[[str], bool]) -> list[Completion]:
+    """The decode side's completions for requests ``receiving`` says are awaited (started here and not reported
+    yet); any other (a peer's stray or repeated one: vLLM asserts on ids it does not wait for) is logged and
+    dropped."""
     out = []
     for c in decode.get_finished():
-        if c.request_id not in receiving:
+        if not receiving(c.request_id):
             logger.warning("kvplane: request %s is not being received here (unknown, or reported already): its "
                            "completion is dropped", c.request_id)
             continue

@@ -71,10 +71,6 @@ class SchedulerBook:
             self.count[Phase.TRACKED] += 1
         return record
 
-    def phase(self, request_id: str) -> Phase | None:
-        record = self.records.get(request_id)
-        return None if record is None else record.phase
-
     def to(self, request_id: str, phase: Phase) -> None:
         record = self.get(request_id)
         if (record.phase.name, phase.name) not in _ALLOWED:  # a bug in the scheduler half; the table is the contract

@@ -304,9 +304,10 @@ class WorkerSide:
         if self.offload is not None:
             with self._lock:
                 _, loaded = self.offload.get_finished()  # stores and synchronous loads finish within their step
-            waited = self._book.loads()
-            for rid in sorted(loaded & waited.keys()):
-                short = waited[rid]
+            for rid in sorted(loaded):  # this step's finished loads: the waited ones are reported like receives
+                short = self._book.load_short(rid)
+                if short is None:
+                    continue
                 completions.append(Completion(rid, "failed" if short else "done",
                                               reason="host-tier blocks gone since the lookup" if short else ""))
         sending.update(self._book.take_refused())
@@ -319,7 +320,7 @@ class WorkerSide:
                     continue
                 sending.add(sender)
         if self.decode is not None:
-            received = finished_receives(self.decode, self._book.receives())  # skipped blocks: the instance's (rank 0)
+            received = finished_receives(self.decode, self._book.awaits_receive)  # skipped blocks: the instance's (rank 0)
             self.counters["receive_skipped_blocks"] += 0 if self.tp_rank else sum(c.skipped_blocks for c in received)
             completions += received
         for c in completions:

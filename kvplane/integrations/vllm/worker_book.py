@@ -78,13 +78,15 @@ class WorkerBook:
         self._to(record, Inbound.ABORTED, request_id)
         return not record.host
 
-    def receives(self) -> set[str]:
-        """The requests whose DecodeSide completion is awaited."""
-        return {rid for rid, r in self.inbound.items() if not r.host}
+    def awaits_receive(self, request_id: str) -> bool:
+        """Whether the request's DecodeSide completion is awaited (a lookup: nothing is built per step)."""
+        record = self.inbound.get(request_id)
+        return record is not None and not record.host
 
-    def loads(self) -> dict[str, bool]:
-        """The host-tier loads vLLM waits for: request id -> whether it is short."""
-        return {rid: r.short for rid, r in self.inbound.items() if r.host}
+    def load_short(self, request_id: str) -> bool | None:
+        """For a host-tier load vLLM waits for: whether it is short; None for any other request."""
+        record = self.inbound.get(request_id)
+        return record.short if record is not None and record.host else None
 
     def ended(self, request_id: str) -> Literal["received", "sent"]:
         """Its completion is being reported: as a delayed free (``sent``) if vLLM aborted it, else as received
