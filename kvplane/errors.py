@@ -26,6 +26,15 @@ class ManifestMismatch(KvplaneError, ValueError):
         super().__init__(f"{message}. {fix}" if fix else message)
 
 
+class TransportMismatch(ManifestMismatch):
+    """Two ranks' transports share nothing they could reach each other by (field ``transport``)."""
+
+    def __init__(self, local: str, remote: str, fix: str) -> None:
+        super().__init__("transport", local, remote, fix)
+        self.args = (f"no transport in common: this rank {local}, the peer {remote}; no byte can move between "
+                     f"them. {fix}",)
+
+
 class ManifestDecodeError(KvplaneError, ValueError):
     """Bytes that should hold a manifest do not decode to one."""
 

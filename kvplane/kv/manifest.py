@@ -23,7 +23,7 @@ class Manifest(msgspec.Struct, frozen=True):
     engine_id: str
     rank: int
     tp_size: int
-    device_type: str
+    device_type: str  # the backend's label: cuda, npu, cpu, npu-emulated (what errors name the rank's device by)
     spec: KVSpec
     layouts: dict[str, str]  # family -> layout name
     regions: tuple[Region, ...]

@@ -80,6 +80,24 @@ def emulated_backend(base: type[AcceleratorBackend]) -> type[AcceleratorBackend]
     return type(f"Emulated{base.__name__}", (EmulatedDevice, base), attributes)
 
 
+# the device facts a host stand-in wears: what the other side of a transfer and the planner see of a rank
+STAND_IN_FACTS = ("layouts", "mooncake_protocol", "registration_alignment", "max_registered_regions",
+                  "registration_merge_gap")
+
+
+@functools.cache
+def host_stand_in(base: type[Backend]) -> type[Backend]:
+    """The cpu backend wearing ``base``'s device facts (layouts, Mooncake protocol, registration rules), named
+    ``<name>-emulated``: for a device ``emulated_backend`` cannot stand in for because torch provides its module
+    itself (``torch.cuda`` on a CPU build). Its memory, streams and copies are the cpu backend's, so it proves what
+    a peer and the planner see of such a rank (a CUDA-shaped decode: packed caches, ``rdma``), never the device."""
+    from kvplane.backend.cpu.backend import CpuBackend
+
+    attributes = {fact: getattr(base, fact) for fact in STAND_IN_FACTS}
+    attributes.update(name=base.name + SUFFIX, emulated=True, emulates=base.name, __module__=__name__)
+    return type(f"HostStandIn{base.__name__}", (CpuBackend,), attributes)
+
+
 class EmulatedPlugin:
     """The plugin behind ``<name>-emulated``: loads the installed backend ``name`` and returns its emulation."""
 

@@ -41,6 +41,7 @@ class PeerInfo(msgspec.Struct, frozen=True):
     port: int = 0
     metadata: bytes = b""  # engine metadata a peer must load (NIXL agent metadata)
     spans: tuple[tuple[int, int], ...] = ()  # registered (addr, length) ranges, so a peer can check a plan
+    speaks: tuple[str, ...] = ()  # what the engine can reach a peer by: Mooncake its protocol, NIXL its backends
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,22 @@ class Transport(ABC):
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise TransportError(f"{what}() on a closed {self.name} transport; create a new transport")
+
+    def speaks(self) -> tuple[str, ...]:
+        """What this engine reaches peers by (``PeerInfo.speaks``); a peer must share one. () where any will do."""
+        return ()
+
+    def unreachable(self, peer: PeerInfo) -> str:
+        """Why no byte could move between this transport and ``peer`` ("" when some could, or a side does not
+        say): the two share nothing they speak. Checked at the handshake, before any transfer."""
+        mine = self.speaks()
+        if not mine or not peer.speaks or set(mine) & set(peer.speaks):
+            return ""
+        return self.no_common_fix(peer)
+
+    def no_common_fix(self, peer: PeerInfo) -> str:
+        """What would let this transport and ``peer`` reach each other (their ``speaks`` share nothing)."""
+        return f"configure both sides' {self.name} transports to share one of {sorted({*self.speaks(), *peer.speaks})}"
 
     def _check_engine(self, peer: PeerInfo) -> None:
         if peer.engine != self.name:

@@ -127,8 +127,20 @@ class MooncakeTransport(Transport):
             return False, f"mooncake probe raised {type(e).__name__}: {e}"
         return True, _version()
 
+    def speaks(self) -> tuple[str, ...]:
+        return (self.config.protocol or self.backend.mooncake_protocol,)
+
+    def no_common_fix(self, peer: PeerInfo) -> str:
+        return (
+            "set one Mooncake protocol on both sides (DisaggConfig.protocol, KVPLANE_MOONCAKE_PROTOCOL): 'tcp' "
+            "reaches any device through host memory, 'rdma' needs RDMA NICs on both. An Ascend side ('ascend') "
+            "meets an RDMA side only through Mooncake's heterogeneous ascend transport (built with "
+            "USE_ASCEND_HETEROGENEOUS on the Ascend side; it writes only, so push modes), which kvplane has not "
+            "run (docs/disagg.md, Cross-vendor)"
+        )
+
     def _start_engine(self) -> Any:
-        protocol = self.config.protocol or self.backend.mooncake_protocol
+        protocol = self.speaks()[0]
         # Mooncake reads its status timeout once, in the engine's constructor: tie it to ours unless set.
         with _env_default(TIMEOUT_ENV, str(max(5, math.ceil(self.config.timeout_s)))):
             engine = self._mc.TransferEngine()
@@ -168,6 +180,7 @@ class MooncakeTransport(Transport):
             host=self.config.host,
             port=self._rpc_port,
             spans=tuple(self._spans),
+            speaks=self.speaks(),
         )
 
     def connect(self, peer: PeerInfo) -> str:

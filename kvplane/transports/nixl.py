@@ -193,7 +193,10 @@ class NixlTransport(Transport):
                 raise TransportError(f"the NIXL agent is down since a reset ({self._down}); no descriptor yet")
             md = bytes(self.agent.get_agent_metadata())
         return PeerInfo(engine=self.name, name=self.agent_name, host=self.config.host, metadata=md,
-                        spans=tuple(self._spans))
+                        spans=tuple(self._spans), speaks=self.speaks())
+
+    def speaks(self) -> tuple[str, ...]:
+        return tuple(self.config.nixl_backends)
 
     def connect(self, peer: PeerInfo) -> str:
         self._check_open("connect")

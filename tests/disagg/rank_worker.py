@@ -5,7 +5,8 @@ The test process drives it with framed msgpack commands (``framed.py``); TP rank
 process group so the model can all-gather head outputs. Commands (``cmd``) and replies:
 
 - ``group`` (world, rank, init_method) -> {}: join the instance's process group (TP > 1 only);
-- ``setup`` (role, shape, layout, config, num_blocks) -> {port, base_port}: a fresh cache, model and side;
+- ``setup`` (role, shape, layout, config, num_blocks, device) -> {port, base_port}: a fresh cache, model and side,
+  on the cpu backend or a vendor's emulated one (``vendors.py``);
 - ``setup_cache`` (role, spec, layout, config, num_blocks, seed) -> the same for a bare cache holding a seeded
   pattern, and ``hold`` (request_id, table, num_tokens) -> {params}: ``request_finished`` without a model;
 - ``digest`` (table, tokens) -> {digest}: of a request's tokens, to compare caches across processes;
@@ -32,6 +33,7 @@ from framed import read_frame, reply_channel, write_frame
 from kvfill import digest, fill, mark, unmarked
 from kvref import split_choice
 from tiny_model import Shape, TinyDecoder
+from vendors import ascend_cache, backend_for
 
 
 class Worker:
@@ -123,11 +125,13 @@ class Worker:
             self.side.close()
         shape = Shape(**msg["shape"])
         name, order = split_choice(msg["layout"])
-        cache = allocate_cache(shape.spec(), name, msg["num_blocks"], order=order)
+        device = msg.get("device", "cpu")  # a vendor's rank (vendors.py): its backend, and vllm-ascend's allocations
+        allocate = ascend_cache if device.startswith("npu") else allocate_cache
+        cache = allocate(shape.spec(), name, msg["num_blocks"], order=order)
         self.model = TinyDecoder(shape, msg["layout"], cache)
         config = DisaggConfig(**msg["config"])
         cls = PrefillSide if msg["role"] == "prefill" else DecodeSide
-        self.side = cls(self.backend, shape.spec(), cache, config, layouts=name)
+        self.side = cls(backend_for(device), shape.spec(), cache, config, layouts=name)
         self.spec, self.layout, self.cache = shape.spec(), msg["layout"], cache
         self.completions = {}
         port = getattr(self.side, "port", 0)

@@ -53,7 +53,7 @@ class LocalKV:
         self.layouts: dict[str, Layout] = layouts_by_family(layouts if layouts is not None else backend.layouts)
         self.regions = regions_from_tensors(spec, kv_caches, self.layouts)
         self.manifest = Manifest(
-            config.engine_id, config.rank, config.tp_size, backend.torch_device_type, spec,
+            config.engine_id, config.rank, config.tp_size, backend.label, spec,
             {family: layout.name for family, layout in self.layouts.items()}, tuple(self.regions),
         )
         self.boot_id = config.boot_id or uuid.uuid4().hex

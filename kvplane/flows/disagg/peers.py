@@ -3,7 +3,8 @@ the I/O loop.
 
 Both sides call ``check_hello`` on the other's ``Handshake``, before any byte moves. A model that differs
 (layers, heads, dtype, KV-cache groups, layout family, kvplane version) raises ``ManifestMismatch`` naming the
-field and both values; the prefill side answers it with a ``Reject`` and the decode side fails the requests
+field and both values, and transports that share no protocol (an ``ascend`` side and an ``rdma`` one) raise
+``TransportMismatch`` naming both sides' devices, protocols and what would work; the prefill side answers it with a ``Reject`` and the decode side fails the requests
 waiting on that peer with the same words. Connecting the transport (Mooncake's ``send_probe``, which a silent
 listener holds for a minute; NIXL's ``add_remote_agent``, which waits for the agent lock a transfer holds) runs
 on a ``Prober`` thread with a short deadline, and the result comes back to the loop.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvplane.errors import ManifestMismatch
+from kvplane.errors import ManifestMismatch, TransportMismatch
 from kvplane.flows.disagg.errors import HandshakeError
 from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.messages import Handshake
@@ -70,12 +71,20 @@ def check_hello(local: LocalKV, hello: Handshake, *, expect_role: str) -> tuple[
         peer_info = msgspec.msgpack.decode(hello.peer, type=PeerInfo)
     except (msgspec.MsgspecError, ValueError) as e:
         raise HandshakeError(f"handshake from {hello.engine_id!r}: transport descriptor does not decode: {e}") from None
+    problem = local.transport.unreachable(peer_info)
+    if problem:
+        raise TransportMismatch(_speaking(local.manifest.device_type, local.transport.speaks()),
+                                _speaking(manifest.device_type, peer_info.speaks), problem)
     if not peer_info.spans:
         raise HandshakeError(
             f"handshake from {hello.engine_id!r}: its transport descriptor names no registered memory (spans), so "
             f"no plan could be checked against it; the peer must register its KV cache"
         )
     return manifest, peer_info
+
+
+def _speaking(device: str, speaks: tuple[str, ...]) -> str:
+    return f"is {device} speaking {', '.join(speaks)}"
 
 
 def record(hello: Handshake, manifest: Manifest, info: PeerInfo, handle: str, identity: bytes = b"",
