@@ -65,7 +65,7 @@ POLL_S = 0.001
 
 
 @dataclass
-class _Sides:
+class Sides:
     prefill: PrefillSide
     decode: DecodeSide
     p_kv: KVBuffer
@@ -76,13 +76,13 @@ class _Sides:
         self.prefill.close()
 
 
-_held: Held[_Sides] = Held(_Sides.close)  # one pair at a time, shared by the three modes of an engine and model
+_held: Held[Sides] = Held(Sides.close)  # one pair at a time, shared by the three modes of an engine and model
 
 
 def _sides(
     backend: Backend, engine: str, model: str, tokens: int, layouts: LayoutChoice | None, cross_layer: bool
-) -> _Sides:
-    def build() -> _Sides:
+) -> Sides:
+    def build() -> Sides:
         spec = model_spec(model, BLOCK_TOKENS)
         layout = backend.layouts[spec.layers[0].family] if layouts is None else layouts
         num_blocks = 2 * -(-tokens // BLOCK_TOKENS)
@@ -96,7 +96,7 @@ def _sides(
                               layouts=layout)
         decode = DecodeSide(backend, spec, d_kv.cache, DisaggConfig(engine_id=f"bench-d-{tag}", **common),
                             layouts=layout)
-        return _Sides(prefill, decode, p_kv, d_kv)
+        return Sides(prefill, decode, p_kv, d_kv)
 
     return _held.get((backend.label, engine, model, tokens, repr(layouts), cross_layer), build)
 
@@ -119,12 +119,12 @@ def _wait_done(side: PrefillSide | DecodeSide, request_id: str) -> float:
         time.sleep(POLL_S)  # gentle: a tight poll takes CPU from the engines on a small machine
 
 
-def _push_params(sides: _Sides, request_id: str) -> TransferParams:
+def _push_params(sides: Sides, request_id: str) -> TransferParams:
     """What a proxy hands decode before the prefill runs (push modes)."""
     return TransferParams.for_push(sides.prefill.config.engine_id, request_id, "127.0.0.1", sides.prefill.base_port)
 
 
-def _one(sides: _Sides, mode: Mode, p_ids: np.ndarray, d_ids: np.ndarray, tokens: int, compute_s: float) -> float:
+def one_request(sides: Sides, mode: Mode, p_ids: np.ndarray, d_ids: np.ndarray, tokens: int, compute_s: float) -> float:
     """One request through the flow: seconds from prefill done to KV ready at decode."""
     rid = f"bench-{uuid.uuid4().hex[:10]}"
     prefill, decode = sides.prefill, sides.decode
@@ -163,7 +163,7 @@ def run_flow(
     compute_s = PREFILL_COMPUTE_S * tokens / TOKENS
 
     sides.d_kv.buffer.zero_()
-    first = _one(sides, mode, p_ids, d_ids, tokens, compute_s)  # also the handshake, which is not timed again
+    first = one_request(sides, mode, p_ids, d_ids, tokens, compute_s)  # also the handshake, which is not timed again
     verified = sides.d_kv.digest(d_ids) == sides.p_kv.digest(p_ids)
 
     op: Op = "READ" if mode == "pull" else "WRITE"
@@ -179,7 +179,7 @@ def run_flow(
         # wall: prefill done -> KV ready; CPU: the whole request in this process (both sides' threads)
         ready: list[float] = []
         before = mover.submitted.descriptors
-        _, cpu = timed_cpu(lambda: ready.append(_one(sides, mode, p_ids, d_ids, tokens, compute_s)))  # noqa: B023
+        _, cpu = timed_cpu(lambda: ready.append(one_request(sides, mode, p_ids, d_ids, tokens, compute_s)))  # noqa: B023
         moved.append(mover.submitted.descriptors - before)
         samples.ours.append(ready[0])
         samples.cpu.append(cpu)
@@ -187,7 +187,7 @@ def run_flow(
         mover.raw_move(handle, op, raw_plan)
         samples.baseline.append(time.perf_counter() - start)
         if mode == "layerwise":
-            pushes.append(_one(sides, "push", p_ids, d_ids, tokens, compute_s))
+            pushes.append(one_request(sides, "push", p_ids, d_ids, tokens, compute_s))
     seconds, baseline_seconds = samples.median, samples.baseline_median
     params: dict[str, Any] = {
         "model": model, "mode": mode, "blocks_pattern": pattern, "tokens": tokens, "block_tokens": BLOCK_TOKENS,
