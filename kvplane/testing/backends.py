@@ -10,6 +10,11 @@ Emulated backends plug in from outside, through the registry's ``add``: ``regist
 adds the entry point ``npu-emulated = kvplane.testing.backends:plugins.npu``; test fixtures call it, and
 ``-p kvplane.testing.pytest_plugin`` calls it for a whole pytest session (``kvplane conformance --emulate``).
 They are never auto-selected: only a name (``KVPLANE_DEVICE=npu-emulated``) picks one.
+
+``host_stand_in(CudaBackend)`` is for a device torch provides itself (``torch.cuda`` on a CPU build), which cannot
+be emulated behind a stand-in module: the cpu backend wearing the real backend's device facts (layouts, Mooncake
+protocol, registration rules), also named ``<name>-emulated``. The cross-vendor P/D tests and bench pair it with an
+emulated npu (a CUDA-shaped decode).
 """
 
 from __future__ import annotations
