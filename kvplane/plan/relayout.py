@@ -2,8 +2,10 @@
 
 Used when bytes cannot move directly (see ``planner``). Both sides are brought to one canonical form,
 ``(tokens, heads, row)``: staged token-major blocks are reshaped, head-major ones permuted, and each spec slot is
-the columns its ``SlotPart`` names (K and V halves of a packed row, ``kv_c`` and ``k_pe`` of a fused MLA row). The request's tokens and the transfer's heads are copied across, and the
-touched destination blocks are written back. Runs on the destination's device; no per-block Python loop.
+the columns its ``SlotPart`` names (K and V halves of a packed row, ``kv_c`` and ``k_pe`` of a fused MLA row). The
+staged side is only viewed (never copied); each slot part is written into the destination cache with one indexed
+assignment over (block, token) index arrays, so the bytes are read once and written once. Runs on the destination's
+device; no per-block Python loop.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ if TYPE_CHECKING:
 
 
 def _to_tokens(blocks: torch.Tensor, order: str, heads: int, width: int) -> torch.Tensor:
-    """``(n, ...block)`` in memory order -> ``(n * tokens_per_block, heads, width)``, a fresh contiguous tensor."""
+    """``(n, ...block)`` in memory order -> ``(n, tokens_per_block, heads, width)``, a view of the staged bytes."""
     n = blocks.shape[0]
     if order == "HND":
-        return blocks.reshape(n, heads, -1, width).permute(0, 2, 1, 3).reshape(-1, heads, width).contiguous()
-    return blocks.reshape(n, -1, heads, width).reshape(-1, heads, width).clone()
+        return blocks.view(n, heads, -1, width).permute(0, 2, 1, 3)
+    return blocks.view(n, -1, heads, width)
 
 
 def apply_relayout(
@@ -47,18 +49,17 @@ def apply_relayout(
         raw = staging[part.offset : part.offset + part.num_blocks * r.block_bytes].view(dtype)
         isz = raw.element_size()
         tok = _to_tokens(raw.view(part.num_blocks, -1), r.order, r.heads, r.row_bytes // isz)
+        rows = tok.reshape(-1, r.heads, r.row_bytes // isz)  # a view where blocks are token-major (NHD)
         for p in r.parts:
             cols = slice(p.offset // isz, (p.offset + p.nbytes) // isz)
-            src[p.slot] = tok[:tokens, lo - part.head_start : hi - part.head_start, cols]
-    t0 = staged.dst_token_start
-    ids = torch.as_tensor(staged.dst_block_ids[: -(-(t0 + tokens) // staged.dst_tokens_per_block)])
-    d0 = staged.dst_head_start
-    for st in dst_layout.slot_tensors(dst_layer, staged.dst_tokens_per_block, dst_value):
-        index = ids.to(st.tensor.device)
-        blocks = st.tensor.index_select(0, index)  # (n, tokens, heads, row), contiguous
-        rows = blocks.view(-1, st.heads, st.row_elems)  # a view: writes reach ``blocks``
+            src[p.slot] = rows[:tokens, lo - part.head_start : hi - part.head_start, cols]
+    d0, t0, per_block = staged.dst_head_start, staged.dst_token_start, staged.dst_tokens_per_block
+    ids = torch.as_tensor(staged.dst_block_ids[: -(-(t0 + tokens) // per_block)])
+    at = torch.arange(t0, t0 + tokens)
+    for st in dst_layout.slot_tensors(dst_layer, per_block, dst_value):
+        block, token = ids.to(st.tensor.device)[at // per_block], (at % per_block).to(st.tensor.device)
         for name, offset, width in st.parts:
             if name not in src:
                 raise PlanError(f"layer {staged.layer_name!r}: the source has no slot {name!r} to fill it from")
-            rows[t0 : t0 + tokens, lo - d0 : hi - d0, offset : offset + width] = src[name].to(rows.device)
-        st.tensor.index_copy_(0, index, blocks)
+            # (tokens, heads, width) into (block, token) pairs: one pass over the bytes, written in place
+            st.tensor[block, token, lo - d0 : hi - d0, offset : offset + width] = src[name].to(st.tensor.device)
