@@ -19,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvplane.flows.disagg import ownership
 from kvplane.flows.disagg.messages import PushRegister
-from kvplane.flows.disagg.records import Held, Target
+from kvplane.flows.disagg.push_target import Target, TargetPhase
+from kvplane.flows.disagg.records import Held
 from kvplane.flows.disagg.tokens import new_token
 
 HONEST, ATTACKER = "decode", "evil"
@@ -56,7 +57,8 @@ class Ownership(RuleBasedStateMachine):
     def honest_register(self, rank: int) -> None:
         if ownership.may_register(self.held, HONEST, self.token):
             self.held.targets[(HONEST, rank)] = registration(HONEST, rank, self.token)
-            self.held.targets[(HONEST, rank)].checked = self.held.known
+            if self.held.known:  # registered after the hand-over: it counts at once, as HeldRequest.register does
+                self.held.targets[(HONEST, rank)].phase = TargetPhase.CHECKED
             self.honest_registered.add(rank)
 
     @rule(rank=RANKS)

@@ -43,7 +43,7 @@ from kvplane.flows.disagg.held_request import (
 )
 from kvplane.flows.disagg.messages import Cancel, Heartbeat, Problem, PushRegister, ReadDone
 from kvplane.flows.disagg.peers import PeerRecord
-from kvplane.flows.disagg.records import Target
+from kvplane.flows.disagg.push_target import Target
 from kvplane.flows.disagg.results import Completion
 from kvplane.kv.manifest import Manifest
 

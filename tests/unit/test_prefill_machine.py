@@ -38,7 +38,7 @@ from kvplane.flows.disagg.held_request import (
 )
 from kvplane.flows.disagg.messages import Cancel, Heartbeat, Problem, PushRegister, PushResult, ReadDone
 from kvplane.flows.disagg.peers import PeerRecord
-from kvplane.flows.disagg.records import Target
+from kvplane.flows.disagg.push_target import Target
 from kvplane.flows.disagg.results import Completion
 from kvplane.flows.disagg.tokens import new_token
 from kvplane.kv.manifest import Manifest
@@ -228,7 +228,7 @@ def snapshot(m: HeldRequest | None) -> object:
     if m is None:
         return None
     h = m.held
-    targets = {k: (t.error, t.cancelled, t.reported, frozenset(t.sent)) for k, t in h.targets.items() if t.checked}
+    targets = {k: (t.error, t.phase, frozenset(t.sent)) for k, t in h.targets.items() if t.checked}
     return (m.phase, m.deadline, h.owner, dict(h.readers), h.reader_tp, h.declined, targets, h.target_tp)
 
 

@@ -28,8 +28,8 @@ from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.messages import PushRegister, PushResult
 from kvplane.flows.disagg.mover import Mover
 from kvplane.flows.disagg.peers import PeerRecord
+from kvplane.flows.disagg.push_target import Target, TargetPhase
 from kvplane.flows.disagg.pusher import Pusher
-from kvplane.flows.disagg.records import Target
 from kvplane.kv.binding import allocate_cross_layer, regions_from_tensors
 from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVSpec
@@ -109,7 +109,7 @@ def test_several_layers_of_a_cross_layer_cache_go_as_one_descriptor_per_block() 
     recorder = _Recorder()
     pusher = Pusher(cast(LocalKV, SimpleNamespace(manifest=src_man)), cast(Mover, recorder))
     peer = _peer(dst_man)
-    target = Target(peer, _register([int(x) for x in dst_ids], tokens), list(QWEN3.layer_names), checked=True)
+    target = Target(peer, _register([int(x) for x in dst_ids], tokens), list(QWEN3.layer_names), TargetPhase.CHECKED)
     assert pusher.prepare({0: src_ids}, target) == ""
     assert target.plans is not None and all(len(p) == blocks for p in target.plans.values())  # per layer
 

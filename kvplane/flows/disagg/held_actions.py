@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvplane.flows.disagg.messages import Problem, PushResult
-from kvplane.flows.disagg.records import Target
+from kvplane.flows.disagg.push_target import Target
 from kvplane.flows.disagg.results import Completion
 
 

@@ -27,7 +27,8 @@ from kvplane.flows.disagg.held_actions import Action, Drop, Prepare, Registered,
 from kvplane.flows.disagg.held_phases import TERMINAL, TRANSITIONS, Phase, render_transitions
 from kvplane.flows.disagg.messages import Problem, PushRegister, PushResult
 from kvplane.flows.disagg.peers import PeerRecord
-from kvplane.flows.disagg.records import Held, Target
+from kvplane.flows.disagg.push_target import Target, TargetPhase
+from kvplane.flows.disagg.records import Held
 from kvplane.flows.disagg.results import Completion, State
 from kvplane.flows.disagg.tokens import same_token
 
@@ -126,7 +127,7 @@ class HeldRequest:
                 return []  # the same registration again: it stands already
             previous.error = previous.error or "registered twice, with another destination, while the first stood"
             return self._event("register", [self._problem(sender, previous.error)])
-        target = Target(peer, reg, layers, checked=held.known)
+        target = Target(peer, reg, layers, TargetPhase.CHECKED if held.known else TargetPhase.UNCHECKED)
         if held.known:
             held.target_tp = reg.tp_size
         held.targets[(reg.engine_id, reg.rank)] = target
@@ -150,8 +151,7 @@ class HeldRequest:
             return self._event("cancel", [])
         if not same_token(target.register.token, token):
             return []
-        target.cancelled = True
-        target.error = target.error or "cancelled by the decode rank"
+        target.error = target.error or "cancelled by the decode rank"  # nothing more is written to it
         return self._event("cancel", [])
 
     def heartbeat(self, engine_id: str, token: str, now: float) -> list[Action]:
@@ -168,7 +168,7 @@ class HeldRequest:
             return []
         if error and not target.error:
             target.error = error
-        return self._event("write_ended", self._write(target) if target.prepared else [])
+        return self._event("write_ended", self._write(target))
 
     def plan_failed(self, target: Target, reason: str) -> list[Action]:
         """A ``Prepare`` of ``target`` failed: nothing will be written to it."""
@@ -244,13 +244,13 @@ class HeldRequest:
             return False
         return True
 
-    def _stopped(self, target: Target) -> bool:
-        return bool(target.cancelled or self.held.aborted or self.held.declined)
+    def _stopped(self) -> bool:
+        return bool(self.held.aborted or self.held.declined)
 
     def _prepare(self, target: Target) -> list[Action]:
-        if target.prepared or not self._source_ok(target):
+        if target.phase is not TargetPhase.CHECKED or not self._source_ok(target):
             return []
-        target.prepared = True
+        target.to(TargetPhase.STREAMING)
         return [Prepare(target)]
 
     def _write(self, target: Target) -> list[Action]:
@@ -259,7 +259,7 @@ class HeldRequest:
         With ``WRITES_PER_TARGET`` writes to it in flight, ready layers wait, and leave together when one ends:
         a push that falls behind the prefill catches up with fewer, bigger writes (over a cross-layer cache,
         one descriptor per block for all the layers of a write) instead of a queue of one-layer writes."""
-        if (not target.prepared or target.error or self._stopped(target)
+        if (target.phase is not TargetPhase.STREAMING or target.error or self._stopped()
                 or target.inflight >= WRITES_PER_TARGET):
             return []
         held = self.held
@@ -273,8 +273,8 @@ class HeldRequest:
     def _push_rest(self, target: Target) -> list[Action]:
         """The request is finished: write every layer not yet sent. When none was (a whole-request push) and
         nothing is staged, one plan covers all layers."""
-        if not target.sent and not target.prepared and not target.register.staging_addr:
-            if not self._source_ok(target) or self._stopped(target):
+        if not target.sent and target.phase is TargetPhase.CHECKED and not target.register.staging_addr:
+            if not self._source_ok(target) or self._stopped():
                 return []
             target.sent.update(target.layers)
             target.inflight += 1
@@ -300,7 +300,7 @@ class HeldRequest:
             if target.error or held.aborted or complete or not target.layers:
                 reason = target.error or ("aborted on the prefill instance" if held.aborted else "")
                 out.append(self._result(target, not reason and (complete or not target.layers), reason))
-                target.reported = True
+                target.to(TargetPhase.REPORTED)
         if not held.known or self.in_flight:
             return out
         if held.aborted:
@@ -328,13 +328,15 @@ class HeldRequest:
         out: list[Action] = []
         if not held.known:  # word of a request that never came here: nothing of the engine's is held
             self._ended = Phase.DROPPED
-            out += [self._result(t, False, "the prefill instance never saw this request")
-                    for t in held.targets.values() if not t.reported]
+            for t in held.targets.values():
+                if not t.reported:
+                    out.append(self._result(t, False, "the prefill instance never saw this request"))
+                    t.to(TargetPhase.REPORTED)
             return out + [Drop()]
         for target in held.targets.values():
             if not target.reported:
                 target.error = target.error or "lease expired before the push completed"
                 out.append(self._result(target, False, target.error))
-                target.reported = True
+                target.to(TargetPhase.REPORTED)
         return out + self._release("timed_out", f"lease of {self.terms.lease_s} s expired without the decode "
                                                 f"finishing")

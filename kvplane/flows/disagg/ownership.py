@@ -9,7 +9,8 @@ No I/O here: the prefill shell sends the replies these functions ask for, and th
 
 from __future__ import annotations
 
-from kvplane.flows.disagg.records import Held, Target
+from kvplane.flows.disagg.push_target import Target, TargetPhase
+from kvplane.flows.disagg.records import Held
 from kvplane.flows.disagg.tokens import same_token
 
 Key = tuple[str, int]  # (decode engine id, decode rank)
@@ -36,7 +37,8 @@ def hand_over(held: Held, token: str) -> list[Target]:
         if target.checked:
             continue
         if owned(held, key[0], target.register.token):
-            target.checked, held.target_tp = True, target.register.tp_size
+            target.to(TargetPhase.CHECKED)
+            held.target_tp = target.register.tp_size
         else:
             del held.targets[key]
             refused.append(target)

@@ -21,7 +21,7 @@ from kvplane.flows.disagg.local import LocalKV
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.mover import Mover
 from kvplane.flows.disagg.peers import PeerRecord
-from kvplane.flows.disagg.records import Target
+from kvplane.flows.disagg.push_target import Target
 from kvplane.flows.disagg.routes import route_plan
 from kvplane.plan.planner import TransferPlan
 

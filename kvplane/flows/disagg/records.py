@@ -1,6 +1,6 @@
 """What each side keeps per peer and per request while KV moves: the decode side's connections to prefill ranks
 (``Conn``) and requests it receives (``Want``: what the ``Starter`` needs, and the request's machine); the prefill
-side's requests it holds (``Held``) and the decode ranks each one is pushed to (``Target``). Plain records:
+side's requests it holds (``Held``), with the decode ranks each one is pushed to (``push_target.Target``). Plain records:
 ``decode.py``, ``decode_conns.py`` and ``decode_shell.py`` (with ``decode_request.py``) and ``held_request.py``
 (with ``ownership.py``) own their changes.
 """
@@ -13,12 +13,12 @@ import numpy as np
 import zmq
 
 from kvplane.blocks.groups import HOLE, Ids
-from kvplane.descriptors import CopyPlan
 from kvplane.flows.disagg.decode_link import Link
 from kvplane.flows.disagg.decode_request import DecodeRequest
-from kvplane.flows.disagg.messages import Handshake, PushRegister
+from kvplane.flows.disagg.messages import Handshake
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord
+from kvplane.flows.disagg.push_target import Target
 from kvplane.flows.disagg.staging_chunks import Chunk
 from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVSpec
@@ -96,23 +96,6 @@ class Want:
             failed[g] = tuple(int(b) for b in ids[cut:])
             skipped += int((np.asarray(ids[:cut]) != HOLE).sum())
         return failed, skipped
-
-
-@dataclass
-class Target:
-    """One decode rank a push goes to: its registration, the layers this rank owes it, how far writing got."""
-
-    peer: PeerRecord
-    register: PushRegister
-    layers: list[str]
-    checked: bool = False  # its token matched the request's (known once the engine handed the request over)
-    prepared: bool = False  # its per-layer plans were asked for (layer-wise push): layers go out as saved
-    plans: dict[str, CopyPlan] | None = None  # those plans, built by the shell's Pusher (the machine never reads them)
-    sent: set[str] = field(default_factory=set)
-    inflight: int = 0
-    error: str = ""
-    cancelled: bool = False
-    reported: bool = False
 
 
 @dataclass
