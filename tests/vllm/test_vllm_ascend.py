@@ -82,8 +82,9 @@ def test_mla_nope_and_rope_tuples_offload_and_load_back_on_the_emulated_npu() ->
 def test_a_cuda_style_fused_mla_prefill_feeds_an_ascend_style_split_mla_decode() -> None:
     disagg = {"mode": "pull", "lease_s": 10.0, "heartbeat_s": 0.5}
     prefill = MiniEngine({"device": "cpu", "disagg": {**disagg, "port": free_port()}}, "kv_producer", mla=True)
-    decode = MiniEngine({"device": "npu-emulated", "disagg": {**disagg, "port": free_port()}}, "kv_consumer", mla=True,
-                        split_kv=True)
+    # the cpu prefill's Mooncake speaks tcp, the npu's ascend by default: across devices both must say one (tcp)
+    decode = MiniEngine({"device": "npu-emulated", "disagg": {**disagg, "port": free_port(), "protocol": "tcp"}},
+                        "kv_consumer", mla=True, split_kv=True)
     try:
         assert isinstance(prefill.caches[next(iter(prefill.caches))], torch.Tensor)  # (nb, bs, 80)
         done = prefill.run("p-1", PROMPT, {"do_remote_decode": True})

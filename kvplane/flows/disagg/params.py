@@ -15,6 +15,7 @@ instance) before the prefill has run.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -127,8 +128,10 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True):
         try:
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as e:
+            field = re.search(r"at `\$\.(\w+)", str(e))  # msgspec names the path; the value is added here
+            value = f" ({field[1]}={repr(data[field[1]])[:80]})" if field and field[1] in data else ""
             raise TransferParamsError(
-                f"kv_transfer_params: {e}; forward the dict the prefill instance returned, unchanged"
+                f"kv_transfer_params: {e}{value}; forward the dict the prefill instance returned, unchanged"
             ) from None
 
     def block_ids(self, group_ids: Sequence[int]) -> dict[int, list[int]]:

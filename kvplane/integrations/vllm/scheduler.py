@@ -78,31 +78,30 @@ class SchedulerSide:
         """The id the decode side knows this request by: in push modes the proxy's (vLLM's suffix stripped)."""
         return RANDOM_SUFFIX.sub("", request_id) if self.config.mode != "pull" else request_id
 
-    def _remote_tokens(self, request: Any) -> int:
-        """The prompt tokens a remote prefill holds (all of them where the params say nothing usable, or more
-        than the prompt: such a receive fails on the worker, see ``_refusal``, and vLLM's failure policy ends or
-        recomputes it). Fewer than the prompt are a prefix: loaded, and the rest computed here."""
-        held = request.kv_transfer_params.get("remote_num_tokens")
-        if held is None:
-            return int(request.num_prompt_tokens)
-        try:
-            return min(int(held), int(request.num_prompt_tokens))
-        except (TypeError, ValueError):
-            logger.warning("kvplane: request %s has kv_transfer_params remote_num_tokens=%r, not a token count; "
-                           "its receive will fail", request.request_id, held)
-            return int(request.num_prompt_tokens)
+    def _enter(self, request: Any, record: Tracked) -> None:
+        """A remote prefill's ``kv_transfer_params``, parsed and checked once, where they enter (the first match
+        call): ``record.params``, or ``record.refused`` saying why the receive cannot be this request's. vLLM's
+        prefill returns the tokens it computed of the prompt (``remote_num_tokens = num_computed_tokens``, as its
+        NixlConnector), and the decode gets the same prompt: params holding more tokens than the prompt has come
+        from another prompt, whose first tokens' KV is not this prompt's."""
+        if record.params is not None or record.refused:
+            return
+        record.params, record.refused = self._parse(request.kv_transfer_params)
+        held, prompt = record.params.remote_num_tokens if record.params else 0, int(request.num_prompt_tokens)
+        if held > prompt:
+            record.refused = (
+                f"kv_transfer_params.remote_num_tokens={held} but the request has {prompt} prompt tokens: the "
+                f"prefill computed another, longer prompt, so its KV is not this request's; forward the "
+                f"kv_transfer_params of this request's own prefill, unchanged (the prefill is told to free its blocks)")
 
-    def _refusal(self, request: Any) -> str:
-        """Why a P/D request's params cannot be its own, "" when they can. vLLM's prefill returns the tokens it
-        computed of the request's prompt (``remote_num_tokens = num_computed_tokens``, as its NixlConnector), and
-        the decode gets the same prompt: params holding more tokens than the prompt has come from another prompt,
-        whose first tokens' KV is not this prompt's."""
-        held, prompt = request.kv_transfer_params.get("remote_num_tokens"), int(request.num_prompt_tokens)
-        if not isinstance(held, int) or isinstance(held, bool) or held <= prompt:
-            return ""
-        return (f"kv_transfer_params.remote_num_tokens={held} but the request has {prompt} prompt tokens: the prefill "
-                f"computed another, longer prompt, so its KV is not this request's; forward the kv_transfer_params "
-                f"of this request's own prefill, unchanged (the prefill is told to free its blocks)")
+    @staticmethod
+    def _remote_tokens(request: Any, record: Tracked) -> int:
+        """The prompt tokens a remote prefill holds: all of them where the params name none (or more than the
+        prompt, or do not parse: such a receive fails on the worker, and vLLM's failure policy ends or recomputes
+        it). Fewer than the prompt are a prefix: loaded, and the rest computed here."""
+        prompt = int(request.num_prompt_tokens)
+        held = record.params.remote_num_tokens if record.params is not None else 0
+        return min(held, prompt) if held else prompt
 
     def _parse(self, params: dict[str, Any]) -> tuple[TransferParams | None, str]:
         """The request's ``kv_transfer_params``, parsed once for the receive route: its mode is this instance's
@@ -128,8 +127,10 @@ class SchedulerSide:
     # -- vLLM scheduler calls -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._remote_prefill(request):  # vLLM's prefix cache here holds num_computed_tokens: receive the rest
-            self._book.get(request.request_id).matched = num_computed_tokens
-            count = self._remote_tokens(request) - num_computed_tokens
+            record = self._book.get(request.request_id)
+            self._enter(request, record)
+            record.matched = num_computed_tokens
+            count = self._remote_tokens(request, record) - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         if self.lookup is None:
             return 0, False
@@ -162,12 +163,12 @@ class SchedulerSide:
             params["do_remote_prefill"] = False  # asked once: a second allocation after the load adds blocks only
             local, record.matched = record.matched or 0, None  # vLLM's prefix cache held them: not received
             if num_external_tokens > 0:  # vLLM now waits for this receive: it must end, even if it cannot start
-                num_tokens = self._remote_tokens(request)
-                typed, refused = self._parse(params) if ids else \
+                self._enter(request, record)
+                num_tokens = self._remote_tokens(request, record)
+                typed, refused = (record.params, record.refused) if ids else \
                     (None, f"block ids for {len(raw)} KV-cache groups, the model has {len(self.block_sizes)}")
                 if not ids:  # the worker fails it; vLLM's policy takes it from there
                     ids = {g: list(v) for g, v in enumerate(raw) if g in self.block_sizes}
-                refused = refused or self._refusal(request)
                 held = {g: min(local, num_tokens) // bs * bs for g, bs in self.block_sizes.items()}
                 self._meta.receives.append(Receive(rid, typed, self._blocks_for(ids, num_tokens), num_tokens,
                                                    refused, held))
@@ -300,7 +301,7 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if self.config.is_decode and params.get("do_remote_prefill") and params.get("remote_engine_id"):
             params["do_remote_prefill"] = False  # never allocated, so never received: the prefill frees it now
-            typed, problem = self._parse(params)
+            typed, problem = (record.params, record.refused) if record.params else self._parse(params)
             if typed is not None:
                 self._meta.declines.append(typed)
             else:  # nothing names the prefill request: it frees at its lease's end

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kvplane.flows.disagg.params import TransferParams
 from kvplane.integrations.vllm.metadata import Groups
 
 
@@ -56,6 +57,8 @@ class Tracked:
     hashes: dict[int, list[int]] = field(default_factory=dict)  # chained block hashes per group, as ints
     holds: bool = False  # a lookup promised host blocks the worker holds for it, and no load was queued yet
     bad_token_logged: bool = False  # its malformed kvplane_token was logged
+    params: TransferParams | None = None  # a remote prefill's kv_transfer_params, parsed where they entered
+    refused: str = ""  # why those params cannot be this request's (they do not parse, or name a longer prompt)
 
 
 class SchedulerBook:
