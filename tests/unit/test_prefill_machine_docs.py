@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from kvplane.flows.disagg.held_request import TERMINAL, TRANSITIONS, Phase, render_transitions
+from kvplane.machines import reachable
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"
 BLOCK = re.compile(r"<!-- prefill-machine:begin -->\n```mermaid\n(.*?)\n```\n<!-- prefill-machine:end -->", re.S)
@@ -25,13 +26,6 @@ def test_the_docs_draw_exactly_the_declared_transitions() -> None:
 
 
 def test_every_phase_is_reached_and_only_terminal_ones_end() -> None:
-    reached, frontier = {Phase.EARLY}, [Phase.EARLY]
-    while frontier:
-        here = frontier.pop()
-        for a, _, b in TRANSITIONS:
-            if a is here and b not in reached:
-                reached.add(b)
-                frontier.append(b)
-    assert reached == set(Phase)
+    assert reachable(TRANSITIONS, Phase.EARLY) == set(Phase)
     assert {a for a, _, _ in TRANSITIONS} == set(Phase) - TERMINAL
     assert all(a is not b for a, _, b in TRANSITIONS)

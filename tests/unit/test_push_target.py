@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvplane.flows.disagg.push_target import TRANSITIONS, Target, TargetPhase
-from kvplane.machines import transitions_table
+from kvplane.machines import reachable, transitions_table
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"
 
@@ -22,14 +22,7 @@ def test_the_docs_carry_the_push_targets_table() -> None:
 
 
 def test_every_phase_is_reached_and_only_reported_ends() -> None:
-    reached, frontier = {TargetPhase.UNCHECKED}, [TargetPhase.UNCHECKED]
-    while frontier:
-        here = frontier.pop()
-        for a, _, b in TRANSITIONS:
-            if a is here and b not in reached:
-                reached.add(b)
-                frontier.append(b)
-    assert reached == set(TargetPhase)
+    assert reachable(TRANSITIONS, TargetPhase.UNCHECKED) == set(TargetPhase)
     assert {a for a, _, _ in TRANSITIONS} == set(TargetPhase) - {TargetPhase.REPORTED}
 
 
