@@ -14,7 +14,8 @@ Whose word counts is ``ownership.py``'s rules on the ``Held`` record this machin
 a request once nothing more can happen to its blocks: exactly once, ``done`` only when every decode rank of the
 owner instance read or received every layer this rank owes it. ``TRANSITIONS`` (``held_phases.py``) lists every
 phase change the machine makes; docs/disagg.md draws it (``render_transitions``) and a unit test checks both
-agree. The actions and phases are re-exported here, so the machine's users import them from this module.
+agree; a change the table does not list raises (a bug here, never a peer's doing). The actions and phases are
+re-exported here, so the machine's users import them from this module.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class HeldRequest:
 
     def heartbeat(self, engine_id: str, token: str, now: float) -> list[Action]:
         """A decode rank still wants the finished request: renew its lease from ``now``."""
-        if self.held.finished and ownership.owned(self.held, engine_id, token):
+        if self.phase is Phase.HELD and ownership.owned(self.held, engine_id, token):
             self.deadline = now + self.terms.lease_s
         return []
 
@@ -199,6 +200,9 @@ class HeldRequest:
             out += self._settle()
         new = self._phase()
         if new is not self.phase:
+            if (self.phase, event, new) not in TRANSITIONS:  # a bug in this file; the table is the contract
+                raise RuntimeError(f"prefill request {self.request_id}: {self.phase.name} -> {new.name} on {event!r} "
+                                   f"is not in TRANSITIONS")
             self.path.append((self.phase, event, new))
             self.phase = new
         return out
