@@ -27,7 +27,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import zmq
 from zmq.utils import z85
@@ -36,8 +36,31 @@ from kvplane.config import invalid
 from kvplane.flows.disagg.errors import DisaggConfigError
 from kvplane.hosts import is_loopback
 
-if TYPE_CHECKING:
-    from kvplane.flows.disagg.config import DisaggConfig
+
+class KeyedConfig(Protocol):
+    """What the rule reads of a ``DisaggConfig``: its keys, key files and addresses (a protocol, so this module
+    needs nothing of ``config.py``, which calls it)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def bind_host(self) -> str: ...
+    @property
+    def listen_host(self) -> str: ...
+    @property
+    def allow_unauthenticated(self) -> bool: ...
+    @property
+    def curve_secret_key(self) -> str: ...
+    @property
+    def curve_server_key(self) -> str: ...
+    @property
+    def curve_allowed_clients(self) -> tuple[str, ...]: ...
+    @property
+    def curve_secret_key_file(self) -> str: ...
+    @property
+    def curve_server_key_file(self) -> str: ...
+    @property
+    def curve_allowed_clients_file(self) -> str: ...
 
 logger = logging.getLogger("kvplane.disagg")
 SECRET_ENV = "KVPLANE_CURVE_SECRET_KEY"
@@ -57,7 +80,7 @@ class CurveKeys:
 
 
 
-def secret_key(config: DisaggConfig, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+def secret_key(config: KeyedConfig, env: Mapping[str, str] | None = None) -> tuple[str, str]:
     """The rank's secret key and where it came from: ``$KVPLANE_CURVE_SECRET_KEY`` when set (non-empty) wins over
     ``curve_secret_key``, as every environment override wins over the config (``addresses.py``)."""
     env = os.environ if env is None else env
@@ -75,7 +98,7 @@ def _z85_key(value: str) -> bytes | None:
         return None
 
 
-def _file_keys(config: DisaggConfig, field: str) -> list[str]:
+def _file_keys(config: KeyedConfig, field: str) -> list[str]:
     """The keys in the file ``field`` names: its lines, blank ones and ``#`` comments skipped."""
     path = getattr(config, field)
     try:
@@ -87,7 +110,7 @@ def _file_keys(config: DisaggConfig, field: str) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
-def _one_key(config: DisaggConfig, field: str, kind: str) -> str:
+def _one_key(config: KeyedConfig, field: str, kind: str) -> str:
     keys = _file_keys(config, field)
     if len(keys) != 1 or _z85_key(keys[0]) is None:
         shown = f"{len(keys)} line(s), not shown" if kind == "secret" else f"{keys[:2]!r}"
@@ -96,7 +119,7 @@ def _one_key(config: DisaggConfig, field: str, kind: str) -> str:
     return keys[0]
 
 
-def key_files(config: DisaggConfig) -> dict[str, Any]:
+def key_files(config: KeyedConfig) -> dict[str, Any]:
     """The key fields ``config``'s ``curve_*_file`` fields give, read now (``DisaggConfig`` calls it once, when
     it is built): a secret or server key file holds one key, the allow-list file one public key per line, added
     to ``curve_allowed_clients``. A key given both inline and by a file must be the same key."""
@@ -137,7 +160,7 @@ def _public_key(value: str, field: str) -> bytes:
     return raw
 
 
-def check(config: DisaggConfig, role: Role | None, env: Mapping[str, str] | None = None) -> CurveKeys | None:
+def check(config: KeyedConfig, role: Role | None, env: Mapping[str, str] | None = None) -> CurveKeys | None:
     """The rank's CURVE keys, or None when the side channel runs without (then allowed only on loopback or with
     ``allow_unauthenticated``). The one rule: ``curve_keys`` (the sides), ``DisaggConfig`` (``role=None``: what
     holds for every role) and ``kvplane info`` all call it. Raises ``DisaggConfigError`` naming the field (or
@@ -174,7 +197,7 @@ def check(config: DisaggConfig, role: Role | None, env: Mapping[str, str] | None
     return CurveKeys(secret_b, zmq.curve_public(secret_b), server, allowed)
 
 
-def curve_keys(config: DisaggConfig, role: Role) -> CurveKeys | None:
+def curve_keys(config: KeyedConfig, role: Role) -> CurveKeys | None:
     """``check`` for a side that starts now (its environment), logging when it runs unauthenticated."""
     keys = check(config, role)
     if keys is None:

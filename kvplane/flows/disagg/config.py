@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from kvplane.config import build, invalid
 from kvplane.flows.disagg import addresses
+from kvplane.flows.disagg.auth import check, key_files
 from kvplane.flows.disagg.errors import DisaggConfigError
 from kvplane.transports import options
 
@@ -157,8 +158,6 @@ class DisaggConfig:
                        f"names {unknown}, which the installed NIXL has no plugin for; choose from {list(installed)}")
 
     def _check_auth(self) -> None:
-        from kvplane.flows.disagg.auth import check, key_files
-
         for name, value in key_files(self).items():  # read once, here: a later use never reads a file
             object.__setattr__(self, name, value)
         check(self, None)  # what holds for every role; each side checks its own role when it starts
