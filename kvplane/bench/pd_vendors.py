@@ -1,19 +1,19 @@
-"""P/D across vendors (kind ``pd``, rows ``pd-vendors-*``): an Ascend-shaped prefill feeding a CUDA-shaped decode,
-timed against a same-vendor pair in the same run.
+"""P/D between two vendors' cache shapes (kind ``pd``, rows ``pd-vendors-*``): a prefill holding vllm-ascend's
+caches feeding a decode holding vLLM's CUDA caches, timed against a same-vendor pair in the same run.
 
-The cross-vendor pair differs in everything at once. Its prefill is kvplane's Ascend backend over host memory
-(``npu-emulated``) with vllm-ascend's caches: K and V (MLA's nope and rope) apart, 128-token blocks. Its decode is
-the cpu backend wearing the cuda backend's facts (``cuda-emulated``, ``kvplane.testing.backends.host_stand_in``)
-with vLLM's packed caches (MLA fused) and 16-token blocks. The same-vendor pair is two such CUDA-shaped ranks.
-Both pairs run the disaggregation flow (``pd_flow.one_request``, two transport engines on 127.0.0.1, Mooncake on
-``tcp`` for both, the one protocol both sides have here) with the same request: the row's baseline is the
-same-vendor pair, so ``ratio`` is its time over the cross-vendor one (below 1: crossing vendors costs that much).
+The cross-vendor pair differs in every cache fact at once: its prefill holds the Ascend backend's layouts (K and V,
+MLA's nope and rope, apart) in 128-token blocks, its decode the cuda backend's (packed; MLA fused) in 16-token
+blocks, both read from the installed backend classes through the registry (device facts, never a device). The
+same-vendor pair is two CUDA-shaped ranks. Both pairs run on the runner's backend (host memory and the cpu copy
+path on this machine; device memory on a GPU) through the disaggregation flow (``pd_flow.one_request``, two
+transport engines on 127.0.0.1) with the same request: the row's baseline is the same-vendor pair, so ``ratio`` is
+its time over the cross-vendor one (below 1: crossing vendors costs that much). The devices themselves, registration
+rules included, are crossed by the emulated-device tests (``tests/disagg/test_pd_cross_vendor.py``), not here.
 
 Where the layouts differ within a block (split against packed), the planner stages whole source blocks on the
 decode and re-lays them out with tensor ops instead of emitting a descriptor per token; the row reports what that
 costs: descriptors per request handed to the moving side's engine (``descriptors``, and ``same_vendor_descriptors``),
 and ``staged_bytes``. ``verified``: every token of every slot equals the prefill's, read through each side's layout.
-Emulated devices: these are figures of kvplane's code paths on this machine, never of Ascend or CUDA hardware.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvplane.backend.base import Backend
+from kvplane.backend.registry import default_registry
 from kvplane.bench.block_ids import request_ids
 from kvplane.bench.held import Held
 from kvplane.bench.models import model_spec
@@ -34,49 +35,50 @@ from kvplane.bench.peer import KVBuffer
 from kvplane.bench.results import BenchResult, make_result
 from kvplane.bench.scenario import Scenario
 from kvplane.bench.timing import MIN_REPS, Samples, timed_cpu
+from kvplane.errors import KvplaneError
 from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
 from kvplane.kv.binding import layouts_by_family
 from kvplane.plan.planner import plan_transfer
 
-BLOCK_TOKENS = {"npu-emulated": 128, "cuda-emulated": 16}  # vllm-ascend's and vLLM's CUDA default block sizes
+VENDORS = {"npu": 128, "cuda": 16}  # the backends whose cache facts the pairs take, and their engines' block sizes
 
 
-def vendor_backends() -> tuple[Backend, Backend]:
-    """The emulated npu and the CUDA-shaped stand-in (both labelled emulated)."""
-    from kvplane_ascend.backend import AscendBackend
-    from kvplane_cuda.backend import CudaBackend
+def vendor_layouts(name: str) -> dict[str, str]:
+    """The layouts of backend ``name``, read from its installed class (a device fact; nothing is probed)."""
+    registry = default_registry()
+    cls = registry.load(name)
+    if cls is None:
+        raise KvplaneError(f"the {name} backend package does not load ({registry.error(name)}); the cross-vendor rows "
+                           f"take its layouts: pip install -e backends/{'ascend' if name == 'npu' else name}")
+    return dict(cls.layouts)
 
-    from kvplane.testing.backends import emulated_backend, host_stand_in
 
-    return emulated_backend(AscendBackend)(), host_stand_in(CudaBackend)()
-
-
-def _pair(prefill: Backend, decode: Backend, engine: str, model: str, tokens: int) -> Sides:
-    """A prefill and a decode side on their own buffers (twice the request's blocks each); the decode stages a
-    whole request where the layouts differ (a push stages it all at once)."""
+def _pair(backend: Backend, prefill: str, decode: str, engine: str, model: str, tokens: int) -> Sides:
+    """A prefill of ``prefill``'s cache shapes and a decode of ``decode``'s on their own buffers (twice the request's
+    blocks each); the decode stages a whole request where the layouts differ (a push stages it all at once)."""
     tag = uuid.uuid4().hex[:6]
     kvs = []
-    for backend in (prefill, decode):
-        spec = model_spec(model, BLOCK_TOKENS[backend.label])
-        blocks = 2 * -(-tokens // BLOCK_TOKENS[backend.label])
-        kvs.append(KVBuffer(spec, backend.layouts[spec.layers[0].family], blocks, backend.alloc_device))
+    for vendor in (prefill, decode):
+        spec = model_spec(model, VENDORS[vendor])
+        blocks = 2 * -(-tokens // VENDORS[vendor])
+        layout = vendor_layouts(vendor)[spec.layers[0].family]
+        kvs.append(KVBuffer(spec, layout, blocks, backend.alloc_device))
     p_kv, d_kv = kvs
     p_kv.fill(1)
     common: dict[str, Any] = {"transport": engine, "transfer_timeout_s": WAIT_S, "push_timeout_s": WAIT_S,
-                              "lease_s": WAIT_S, "port": 0, "protocol": "tcp" if engine == "mooncake" else ""}
-    staging = d_kv.buffer.numel() if prefill.label != decode.label else 0
-    side_p = PrefillSide(prefill, p_kv.spec, p_kv.cache, DisaggConfig(engine_id=f"bench-vp-{tag}", **common),
+                              "lease_s": WAIT_S, "port": 0}
+    staging = d_kv.buffer.numel() if prefill != decode else 0
+    side_p = PrefillSide(backend, p_kv.spec, p_kv.cache, DisaggConfig(engine_id=f"bench-vp-{tag}", **common),
                          layouts=p_kv.layout)
-    side_d = DecodeSide(decode, d_kv.spec, d_kv.cache,
+    side_d = DecodeSide(backend, d_kv.spec, d_kv.cache,
                         DisaggConfig(engine_id=f"bench-vd-{tag}", staging_bytes=staging, **common), layouts=d_kv.layout)
     return Sides(side_p, side_d, p_kv, d_kv)
 
 
 class _Pairs:
-    def __init__(self, engine: str, model: str, tokens: int) -> None:
-        npu, cuda = vendor_backends()
-        self.cross = _pair(npu, cuda, engine, model, tokens)
-        self.same = _pair(cuda, cuda, engine, model, tokens)
+    def __init__(self, backend: Backend, engine: str, model: str, tokens: int) -> None:
+        self.cross = _pair(backend, "npu", "cuda", engine, model, tokens)
+        self.same = _pair(backend, "cuda", "cuda", engine, model, tokens)
 
     def close(self) -> None:
         self.cross.close()
@@ -128,8 +130,8 @@ def _moved(sides: Sides, mode: Mode, p_ids: np.ndarray, d_ids: np.ndarray, token
     return seconds, mover.submitted.descriptors - before
 
 
-def run(engine: str, model: str, mode: Mode, tokens: int, name: str) -> BenchResult:
-    pairs = _held.get((engine, model, tokens), lambda: _Pairs(engine, model, tokens))
+def run(backend: Backend, engine: str, model: str, mode: Mode, tokens: int, name: str) -> BenchResult:
+    pairs = _held.get((backend.label, engine, model, tokens), lambda: _Pairs(backend, engine, model, tokens))
     rng = np.random.default_rng(21)
     (cp, cd), (sp, sd) = _ids(pairs.cross, tokens, rng), _ids(pairs.same, tokens, rng)
     for sides, (p_ids, d_ids) in ((pairs.cross, (cp, cd)), (pairs.same, (sp, sd))):
@@ -149,25 +151,24 @@ def run(engine: str, model: str, mode: Mode, tokens: int, name: str) -> BenchRes
     p_man, d_man = pairs.cross.prefill.local.manifest, pairs.cross.decode.local.manifest
     plan = plan_transfer(p_man, d_man, {0: cp}, {0: cd}, {0: tokens}, staging=(0, 1 << 62))
     params: dict[str, Any] = {
-        "model": model, "mode": mode, "tokens": tokens, "emulated": True,
-        "prefill": f"npu-emulated {p_man.layouts}, {BLOCK_TOKENS['npu-emulated']}-token blocks",
-        "decode": f"cuda-emulated {d_man.layouts}, {BLOCK_TOKENS['cuda-emulated']}-token blocks",
-        "same_vendor": "cuda-emulated both sides", "protocol": "tcp" if engine == "mooncake" else "UCX",
+        "model": model, "mode": mode, "tokens": tokens,
+        "prefill": f"Ascend's caches {p_man.layouts}, {VENDORS['npu']}-token blocks",
+        "decode": f"CUDA's caches {d_man.layouts}, {VENDORS['cuda']}-token blocks",
+        "same_vendor": "CUDA's caches on both sides",
         "staged_bytes": plan.staged_bytes, "direct_bytes": plan.direct_bytes, "plan_descriptors": len(plan.plan),
         "same_vendor_descriptors": round(statistics.median(same_descs)),
         "cross_ms": round(samples.median * 1e3, 1), "same_vendor_ms": round(samples.baseline_median * 1e3, 1),
     }
     return make_result(
-        scenario=name, kind="pd", backend="npu-emulated -> cuda-emulated", transport=engine,
-        nbytes=plan.staged_bytes + plan.direct_bytes, samples=samples, baseline="same-vendor pair (cuda-emulated)",
+        scenario=name, kind="pd", backend=backend.label, transport=engine,
+        nbytes=plan.staged_bytes + plan.direct_bytes, samples=samples, baseline="same-vendor pair (CUDA's caches)",
         verified=verified, descriptors=round(statistics.median(cross_descs)), params=params,
     )
 
 
 def scenario(engine: str, model: str, mode: Mode, tokens: int) -> Scenario:
-    """The cross-vendor pair against the same-vendor one, one request of ``tokens`` each; the runner's backend is
-    not used (both pairs run on emulated devices, whatever ``KVPLANE_DEVICE`` says)."""
+    """The cross-vendor pair against the same-vendor one, one request of ``tokens`` each, on the runner's backend."""
     name = f"pd-vendors-{engine}-{model}-{mode}"
     params = {"engine": engine, "model": model, "mode": mode, "tokens": tokens}
-    return Scenario(name, "pd", lambda _backend, _quick: run(engine, model, mode, tokens, name), params,
+    return Scenario(name, "pd", lambda backend, _quick: run(backend, engine, model, mode, tokens, name), params,
                     release=close_all)

@@ -2,8 +2,8 @@
 
 Cross-layer rows (suffix ``-xl``): the same request over vLLM's one tensor for all layers, beside the per-layer
 row; the default run has DeepSeek-V3's offload store/load (61 layers: the most descriptors saved) and a 1k-token
-P/D pull of Qwen3 per engine and a cross-vendor P/D pull (``pd_vendors``: emulated Ascend prefill, emulated CUDA
-decode, against a same-vendor pair), the full run adds Qwen3's offload rows, P/D READ/WRITE between processes at 10k
+P/D pull of Qwen3 per engine and a cross-vendor P/D pull (``pd_vendors``: a prefill holding Ascend's caches, a
+decode holding CUDA's, against a same-vendor pair), the full run adds Qwen3's offload rows, P/D READ/WRITE between processes at 10k
 tokens and the push modes.
 
 ``DEFAULT`` is a plain ``kvplane bench`` (about 2 minutes on 2 cores): one representative row per kind and
@@ -66,7 +66,7 @@ def _rows(layouts: dict[str, str] | None, variant: str, full: bool) -> list[Scen
             rows += [pd_flow.scenario(e, m, mode, "scatter", layouts, variant, pd_tokens) for mode in pd_flow.MODES]
         if not variant:
             rows.append(pd_flow.scenario(e, MODELS[0], "pull", variant=XL, tokens=pd_tokens, cross_layer=True))
-    if not variant:  # an emulated Ascend prefill feeding an emulated CUDA decode, against a same-vendor pair
+    if not variant:  # Ascend's caches feeding CUDA's, against a same-vendor pair
         modes: tuple[pd_flow.Mode, ...] = ("pull", "push") if full else ("pull",)
         pairs = [(e, m) for e in ENGINES for m in MODELS] if full else [(ENGINES[0], MODELS[0])]
         rows += [pd_vendors.scenario(e, m, mode, DEFAULT_PD_TOKENS) for e, m in pairs for mode in modes]
