@@ -44,6 +44,8 @@ def label(r: BenchResult) -> str:
         parts.append("runs")
     if p.get("cache") == "cross-layer":
         parts.append("xl")  # vLLM's one tensor for all layers
+    if "same_vendor" in p:
+        parts.append("x-vendor")  # Ascend's caches into CUDA's (pd_vendors)
     if r.kind == "plan":
         parts.append(f"{int(p.get('tokens', 0)) // 1000}k")
     text = " ".join(x for x in parts if x)

@@ -8,6 +8,7 @@ import pytest
 
 from kvplane.backend import get_backend
 from kvplane.bench import pd_vendors, scenarios
+from kvplane.bench.table import label
 
 pytestmark = pytest.mark.integration
 TOKENS = 300  # three 128-token npu blocks, nineteen 16-token cuda blocks
@@ -32,3 +33,4 @@ def test_the_cross_vendor_pair_moves_verified_bytes_staged_and_reports_them_agai
     assert r.params["direct_bytes"] == 0 and r.params["staged_bytes"] == 3 * 128 * per_token == r.bytes
     assert 0 < r.descriptors and 0 < r.params["same_vendor_descriptors"]
     assert r.reps >= 5 and r.seconds > 0 and r.params["same_vendor_ms"] > 0 and r.ratio > 0
+    assert label(r) == f"{'dsv3' if model == 'deepseek-v3' else 'qwen3'} {engine} {mode} x-vendor"  # apart from pd-flow's
