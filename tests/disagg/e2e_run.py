@@ -2,7 +2,9 @@
 processes of ``rank_pool``), against one process doing both.
 
 ``check`` compares the decode instance's generated tokens and logits, bit for bit, with one process running prefill
-and decode itself (``reference``); each ``Side`` says its family, layout, block size, TP and device.
+and decode itself (``reference``), and where both sides run TP 1 the prompt's KV in both caches, byte for byte,
+read through each side's layout (``kvfill.digest``); each ``Side`` says its family, layout, block size, TP and
+device.
 """
 
 from __future__ import annotations
@@ -108,6 +110,10 @@ def run_pd(pool: Pool, prefill: Side, decode: Side, engine: str, mode: str, push
     for w in d_workers:
         done = w.ask(cmd="wait", request_id=request, within=WAIT_S)
         assert done.get("state") == "done", done
+    if prefill.tp == decode.tp == 1:  # the bytes themselves, read through each side's layout, before decode writes
+        moved = [w.ask(cmd="digest", table=t, tokens=len(PROMPT))["digest"]
+                 for w, t in ((p_workers[0], p_table), (d_workers[0], d_table))]
+        assert moved[0] == moved[1], "the decode's KV of the prompt differs from the prefill's"
     for w in d_workers:
         w.send(cmd="decode", first=outs[0]["first"], start=len(PROMPT), steps=STEPS, table=d_table)
     decoded = [w.read(60) for w in d_workers]
