@@ -20,7 +20,7 @@ import torch
 from e2e_run import Side, check
 from pair import Engine, until
 from rank_pool import Pool
-from vendors import ascend_cache, backend_for
+from vendors import ALIGN, ascend_cache, backend_for
 
 from kvplane.blocks.pool import BlockPool
 from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
@@ -86,3 +86,23 @@ def test_sides_whose_mooncake_protocols_share_nothing_fail_at_the_handshake_nami
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.mark.usefixtures("vendors")
+def test_the_npu_rank_registers_its_separate_allocations_under_the_ascend_rules() -> None:
+    """vllm-ascend's allocations are registered widened to 2 MiB (those that then touch merged into one), every
+    cache tensor inside a registered span; the 256-region cap is the backend's rule (``test_cpu_backend``)."""
+    npu = backend_for("npu-emulated")
+    spec = KVSpec.mla(2, kv_lora_rank=16, rope_dim=4, tokens_per_block=128, dtype="float32")
+    cache = ascend_cache(spec, "mla_split", 8)
+    side = PrefillSide(npu, spec, cache, DisaggConfig(engine_id="p-regions", transport="mooncake"),
+                       layouts="mla_split")
+    try:
+        spans = side.local.transport.peer_info().spans
+    finally:
+        side.close()
+    assert 1 <= len(spans) <= 4 and all(a % ALIGN == 0 and n % ALIGN == 0 for a, n in spans)
+    for value in cache.values():
+        for t in value if isinstance(value, tuple) else (value,):
+            start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+            assert any(a <= start and end <= a + n for a, n in spans), "a cache tensor outside every span"
