@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvplane.flows.disagg import ownership
+from kvplane.flows.disagg.held_record import Held
 from kvplane.flows.disagg.messages import PushRegister
 from kvplane.flows.disagg.push_target import Target, TargetPhase
-from kvplane.flows.disagg.records import Held
 from kvplane.flows.disagg.tokens import new_token
 
 HONEST, ATTACKER = "decode", "evil"

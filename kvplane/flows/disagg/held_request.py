@@ -26,10 +26,10 @@ from kvplane.blocks.groups import Ids
 from kvplane.flows.disagg import ownership
 from kvplane.flows.disagg.held_actions import Action, Drop, Prepare, Registered, Release, Send, Write
 from kvplane.flows.disagg.held_phases import TERMINAL, TRANSITIONS, Phase, render_transitions
+from kvplane.flows.disagg.held_record import Held
 from kvplane.flows.disagg.messages import Problem, PushRegister, PushResult
 from kvplane.flows.disagg.peers import PeerRecord
 from kvplane.flows.disagg.push_target import Target, TargetPhase
-from kvplane.flows.disagg.records import Held
 from kvplane.flows.disagg.results import Completion, State
 from kvplane.flows.disagg.tokens import same_token
 

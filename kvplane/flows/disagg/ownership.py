@@ -9,8 +9,8 @@ No I/O here: the prefill shell sends the replies these functions ask for, and th
 
 from __future__ import annotations
 
+from kvplane.flows.disagg.held_record import Held
 from kvplane.flows.disagg.push_target import Target, TargetPhase
-from kvplane.flows.disagg.records import Held
 from kvplane.flows.disagg.tokens import same_token
 
 Key = tuple[str, int]  # (decode engine id, decode rank)

@@ -1,8 +1,7 @@
-"""What each side keeps per peer and per request while KV moves: the decode side's connections to prefill ranks
-(``Conn``) and requests it receives (``Want``: what the ``Starter`` needs, and the request's machine); the prefill
-side's requests it holds (``Held``), with the decode ranks each one is pushed to (``push_target.Target``). Plain records:
-``decode.py``, ``decode_conns.py`` and ``decode_shell.py`` (with ``decode_request.py``) and ``held_request.py``
-(with ``ownership.py``) own their changes.
+"""What the decode side keeps per peer and per request while KV moves: its connections to prefill ranks (``Conn``)
+and the requests it receives (``Want``: what the ``Starter`` needs, and the request's machine), with the plans a
+request waiting for staging room keeps. Plain records: ``decode.py``, ``decode_conns.py`` and ``decode_shell.py``
+(with ``decode_request.py``) own their changes. The prefill side's record is ``held_record.Held``.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from kvplane.flows.disagg.decode_request import DecodeRequest
 from kvplane.flows.disagg.messages import Handshake
 from kvplane.flows.disagg.params import TransferParams
 from kvplane.flows.disagg.peers import PeerRecord
-from kvplane.flows.disagg.push_target import Target
 from kvplane.flows.disagg.staging_chunks import Chunk
 from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVSpec
@@ -96,32 +94,3 @@ class Want:
             failed[g] = tuple(int(b) for b in ids[cut:])
             skipped += int((np.asarray(ids[:cut]) != HOLE).sum())
         return failed, skipped
-
-
-@dataclass
-class Held:
-    """One request this prefill rank holds, or has word of from a decode rank before the engine handed it over.
-
-    ``token`` comes from the engine; messages count only with it. ``owner`` is the decode instance (engine id)
-    the first message carrying the right token came from: later messages count only from that instance.
-    Word that came before the engine handed the request over (``early_reads``, unchecked ``targets``) is
-    checked against the token once it is known.
-    """
-
-    request_id: str
-    block_ids: dict[int, Ids] | None = None
-    num_tokens: int = 0
-    token: str = ""
-    owner: str = ""
-    early_reads: dict[tuple[str, int], tuple[bool, int, str]] = field(default_factory=dict)  # ok, tp, token
-    known: bool = False  # the engine handed it over (start_request or request_finished)
-    finished: bool = False
-    aborted: bool = False
-    deadline: float = float("inf")
-    readers: dict[tuple[str, int], bool] = field(default_factory=dict)
-    reader_tp: int = 0
-    targets: dict[tuple[str, int], Target] = field(default_factory=dict)
-    target_tp: int = 0
-    saved: set[str] = field(default_factory=set)
-    declined: str = ""  # why a decode rank gave the push up before registering it (its Cancel): release now
-    early_declines: dict[tuple[str, int], str] = field(default_factory=dict)  # such Cancels before hand-over: token
