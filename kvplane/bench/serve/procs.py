@@ -60,7 +60,12 @@ class Server:
                                          start_new_session=True, cwd=log_dir)
 
     def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        """The log's last ``lines``, after its first traceback (where vLLM's "see root cause above" points) when
+        that one lies further up."""
+        text = self.log.read_text(errors="replace").splitlines()
+        first = next((i for i, line in enumerate(text) if "Traceback (most recent call last)" in line), None)
+        cause = text[first : first + lines] + ["..."] if first is not None and first < len(text) - lines else []
+        return "\n".join(cause + text[-lines:])
 
     def wait_ready(self) -> float:
         """Seconds from start to the first 200 on /health."""
