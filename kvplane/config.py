@@ -7,7 +7,7 @@ what was expected, and the choices of an enumerated field. A ``__post_init__`` t
 lets the error name the exact field of a range check.
 
 Used by ``OffloadConfig``/``StoreConfig`` (``flows/offload/config.py``), ``DisaggConfig.from_dict``
-(``flows/disagg/config.py``) and the connector's config (``integrations/vllm/config.py``).
+(``flows/disagg/wire/config.py``) and the connector's config (``integrations/vllm/config.py``).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def _protocol(side: Any) -> str:
 
 
 def _side(role: str, side: Any) -> str:
-    from kvplane.flows.disagg.auth import secret_key
+    from kvplane.flows.disagg.wire.auth import secret_key
 
     c = side.config
     auth = "on" if secret_key(c)[0] else "off"

@@ -3,7 +3,7 @@
 ``NAME.key`` holds the secret key (mode 0600: it stays on the host that runs with it) and ``NAME.pub`` the public
 key (copied to the peers); each is one line of Z85 text, as ``zmq.curve_keypair()`` makes it. ``DisaggConfig``
 reads them through ``curve_secret_key_file``, ``curve_server_key_file`` and ``curve_allowed_clients_file``
-(``flows/disagg/auth.py``; docs/deploy.md, CURVE keys). An existing file is never overwritten without ``--force``,
+(``flows/disagg/wire/auth.py``; docs/deploy.md, CURVE keys). An existing file is never overwritten without ``--force``,
 and the secret is never printed.
 """
 

@@ -17,10 +17,10 @@ from typing import Any
 
 from kvplane.cli.system import redact
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg.addresses import env_used
-from kvplane.flows.disagg.auth import CurveKeys, Role, check
-from kvplane.flows.disagg.config import DisaggConfig
-from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.flows.disagg.wire.addresses import env_used
+from kvplane.flows.disagg.wire.auth import CurveKeys, Role, check
+from kvplane.flows.disagg.wire.config import DisaggConfig
+from kvplane.flows.disagg.wire.errors import DisaggConfigError
 from kvplane.integrations.vllm.config import ConnectorConfig
 
 ENGINE_PORTS = (

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvplane.flows.disagg.params import TransferParams
+from kvplane.flows.disagg.wire.params import TransferParams
 from kvplane.proxy.config import Instance
 from kvplane.proxy.errors import ProxyError
 

@@ -10,7 +10,7 @@ import argparse
 import logging
 
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg.config import MODES
+from kvplane.flows.disagg.wire.config import MODES
 from kvplane.proxy.config import ON_PREFILL_FAILURE, ON_TRANSFER_FAILURE, POLICIES, Instance, ProxyConfig
 
 

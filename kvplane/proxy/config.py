@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from kvplane.flows.disagg.config import MODES, Mode
+from kvplane.flows.disagg.wire.config import MODES, Mode
 from kvplane.proxy.errors import ProxyConfigError
 
 Policy = Literal["round-robin", "least-outstanding"]

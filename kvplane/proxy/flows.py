@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from kvplane.flows.disagg.tokens import new_token
+from kvplane.flows.disagg.wire.tokens import new_token
 from kvplane.proxy import bodies
 from kvplane.proxy.config import Instance, ProxyConfig
 from kvplane.proxy.errors import ProxyError

@@ -12,8 +12,8 @@ for the thread. An executor dropped without ``close`` finishes its queue and end
 holds the queue, not the executor, and the executor's finalizer closes the queue.
 
 Not built on it, on purpose: the disaggregation I/O loop (it polls ZMQ sockets and runs a tick between jobs,
-so it drains a ``JobQueue`` from its own thread), the P/D transfer thread (``flows/disagg/mover.py``: it polls
-transfers in flight between new plans), the peer probes (``flows/disagg/peers.py``: one short-lived thread
+so it drains a ``JobQueue`` from its own thread), the P/D transfer thread (``flows/disagg/wire/mover.py``: it polls
+transfers in flight between new plans), the peer probes (``flows/disagg/wire/peers.py``: one short-lived thread
 per connect, so a hung connect never delays the next) and Mooncake's per-transfer threads.
 """
 

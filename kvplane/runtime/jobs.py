@@ -1,7 +1,7 @@
 """``JobQueue``: a FIFO of named callables, and the one rule for running a job.
 
 Every hand-off of work to another kvplane thread goes through one of these: an ``Executor`` drains it on a
-thread of its own; the disaggregation I/O loop (``flows/disagg/loop.py``) drains it between socket polls. Both
+thread of its own; the disaggregation I/O loop (``flows/disagg/wire/loop.py``) drains it between socket polls. Both
 then behave alike:
 
 - ``submit`` returns a ``concurrent.futures.Future``; ``post`` is fire-and-forget (no future is made, and the

@@ -37,8 +37,8 @@ class Attacker:
         cmd = msg["cmd"]
         if cmd == "setup":
             from kvplane.backend import get_backend
-            from kvplane.flows.disagg.config import DisaggConfig
-            from kvplane.flows.disagg.local import LocalKV
+            from kvplane.flows.disagg.wire.config import DisaggConfig
+            from kvplane.flows.disagg.wire.local import LocalKV
             from kvplane.kv.binding import allocate_cache
             from kvplane.kv.spec import KVSpec
 

@@ -107,7 +107,7 @@ def push_params(prefill_port: int, request_id: str, engine_id: str, tp: int = 1)
 def watched_local_kv() -> tuple[type, list[Any]]:
     """A ``LocalKV`` subclass (the real one and its transport) that counts its closes, and the list it appends
     each one built to: for the tests that a side failing at start gives back what it built."""
-    from kvplane.flows.disagg.local import LocalKV
+    from kvplane.flows.disagg.wire.local import LocalKV
 
     built: list[Any] = []
 

@@ -11,8 +11,8 @@ import pytest
 from pair import cpu, small_spec, watched_local_kv
 
 from kvplane.flows.disagg import DecodeSide, DisaggConfig
-from kvplane.flows.disagg import decode as decode_module
-from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.flows.disagg.decode import decode_side as decode_module
+from kvplane.flows.disagg.wire.errors import DisaggConfigError
 from kvplane.kv.binding import allocate_cache
 
 

@@ -10,7 +10,7 @@ import uuid
 
 from pair import LONG, make, small_spec
 
-from kvplane.flows.disagg.messages import ReadDone
+from kvplane.flows.disagg.wire.messages import ReadDone
 from kvplane.kv.spec import KVSpec
 
 TOKENS = 40

@@ -21,7 +21,7 @@ from framed import FramedProcess
 from kvfill import digest
 from pair import Engine, make, push_params, small_spec, token_for
 
-from kvplane.flows.disagg import limits
+from kvplane.flows.disagg.wire import limits
 
 pytestmark = pytest.mark.integration
 ATTACKER = Path(__file__).with_name("attacker.py")

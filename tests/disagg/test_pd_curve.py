@@ -13,7 +13,8 @@ from kvfill import digest
 from pair import make, push_params, small_spec, token_for
 from zmq.utils.monitor import recv_monitor_message
 
-from kvplane.flows.disagg import DisaggConfig, DisaggConfigError, messages
+from kvplane.flows.disagg import DisaggConfig, DisaggConfigError
+from kvplane.flows.disagg.wire import messages
 
 pytestmark = pytest.mark.integration
 SPEC = small_spec(layers=2)

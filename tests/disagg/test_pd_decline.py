@@ -16,7 +16,7 @@ import pytest
 from pair import LONG, Engine, free_port_run, make, push_params, ready_prefill_ranks, small_spec, token_for
 from rank_pool import spawn
 
-from kvplane.flows.disagg.decode_link import LinkPhase
+from kvplane.flows.disagg.decode.decode_link import LinkPhase
 from kvplane.kv.spec import KVSpec
 
 SPEC = small_spec()
@@ -100,9 +100,9 @@ def test_a_decline_whose_handshake_failed_is_sent_with_the_next_successful_hands
 
 
 def test_declines_kept_for_later_are_bounded_per_rank_and_in_ranks_and_age_out() -> None:
-    from kvplane.flows.disagg.declines import PendingDeclines
-    from kvplane.flows.disagg.limits import MAX_DECLINE_PEERS, MAX_DECLINES
-    from kvplane.flows.disagg.messages import Cancel
+    from kvplane.flows.disagg.decode.declines import PendingDeclines
+    from kvplane.flows.disagg.wire.limits import MAX_DECLINE_PEERS, MAX_DECLINES
+    from kvplane.flows.disagg.wire.messages import Cancel
 
     pending = PendingDeclines(horizon_s=60.0)
     for i in range(MAX_DECLINES + 5):

@@ -11,8 +11,9 @@ import pytest
 from kvfill import digest
 from pair import free_port_run, make, push_params, small_spec
 
-from kvplane.flows.disagg import TransferParams, limits
-from kvplane.flows.disagg.tokens import new_token
+from kvplane.flows.disagg import TransferParams
+from kvplane.flows.disagg.wire import limits
+from kvplane.flows.disagg.wire.tokens import new_token
 
 pytestmark = pytest.mark.integration
 

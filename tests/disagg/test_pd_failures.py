@@ -23,9 +23,10 @@ from kvref import canonical
 from pair import Engine, make, push_params, ready_prefill_ranks, small_spec, token_for
 from rank_pool import spawn
 
-from kvplane.flows.disagg import DisaggError, TransferParamsError, messages
-from kvplane.flows.disagg.config import DisaggConfig
-from kvplane.flows.disagg.local import LocalKV
+from kvplane.flows.disagg import DisaggError, TransferParamsError
+from kvplane.flows.disagg.wire import messages
+from kvplane.flows.disagg.wire.config import DisaggConfig
+from kvplane.flows.disagg.wire.local import LocalKV
 from kvplane.kv.binding import allocate_cache
 from kvplane.kv.spec import KVSpec
 

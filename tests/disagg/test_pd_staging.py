@@ -20,8 +20,8 @@ import torch
 from kvref import canonical
 from pair import Engine, make, prefill_ranks, push_params, token_for, watched_local_kv
 
-from kvplane.flows.disagg import decode as decode_module
-from kvplane.flows.disagg import decode_start, staged_pull
+from kvplane.flows.disagg.decode import decode_side as decode_module
+from kvplane.flows.disagg.decode import decode_start, staged_pull
 from kvplane.kv.spec import KVSpec
 
 ENGINES = ("mooncake", "nixl")

@@ -15,7 +15,7 @@ from kvfill import digest
 from pair import LONG, Engine, make, small_spec, until
 from rank_pool import spawn
 
-from kvplane.flows.disagg.records import Conn
+from kvplane.flows.disagg.decode.records import Conn
 
 SPEC = small_spec()
 TOKENS = 40

@@ -10,7 +10,7 @@ import zmq
 from pair import cpu, small_spec, watched_local_kv
 
 from kvplane.flows.disagg import DisaggConfig, PrefillSide
-from kvplane.flows.disagg import prefill as prefill_module
+from kvplane.flows.disagg.prefill import prefill_side as prefill_module
 from kvplane.kv.binding import allocate_cache
 
 

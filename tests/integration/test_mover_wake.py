@@ -17,7 +17,7 @@ import pytest
 from kvplane.backend import get_backend
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg import mover
+from kvplane.flows.disagg.wire import mover
 from kvplane.transports.base import Transport, TransportConfig
 from kvplane.transports.mooncake import MooncakeTransport
 from kvplane.transports.nixl import NixlTransport

@@ -14,7 +14,7 @@ import pytest
 
 from kvplane.bench.peer import KVBuffer
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg.outbox import Outbox
+from kvplane.flows.disagg.wire.outbox import Outbox
 from tests.integration.test_nixl_handles_under_lock import finishing
 from tests.integration.test_nixl_prepped import (
     NUM_BLOCKS,

@@ -28,7 +28,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "disagg"), str(HERE.parent / "unit"
 import aiohttp  # noqa: E402
 from proxyproc import Proc, spawn, start_engine  # noqa: E402
 
-from kvplane.flows.disagg.tokens import new_token  # noqa: E402
+from kvplane.flows.disagg.wire.tokens import new_token  # noqa: E402
 from kvplane.proxy import Instance, bodies  # noqa: E402
 
 PROMPT = list(range(1, 60))

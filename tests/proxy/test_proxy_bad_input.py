@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from proxyproc import Proc, instance, serve_proxy, socket_count, until_metric
 
-from kvplane.flows.disagg.tokens import is_token
+from kvplane.flows.disagg.wire.tokens import is_token
 from kvplane.proxy import ProxyConfig
 from kvplane.proxy import app as app_module
 from kvplane.proxy.app import STATE

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvplane.flows.disagg.decode_actions import ToPrefill
-from kvplane.flows.disagg.messages import Cancel, Heartbeat, Problem, PushRegister, PushResult, ReadDone
+from kvplane.flows.disagg.decode.decode_actions import ToPrefill
+from kvplane.flows.disagg.wire.messages import Cancel, Heartbeat, Problem, PushRegister, PushResult, ReadDone
 
 Reply = PushResult | Problem
 

@@ -108,14 +108,14 @@ def test_a_table_may_hold_holes_but_no_other_negative_or_out_of_range_id(
 
 
 def _register(ids: list[int]) -> bytes:
-    from kvplane.flows.disagg.messages import PushRegister, encode
+    from kvplane.flows.disagg.wire.messages import PushRegister, encode
 
     return encode(PushRegister("r", "e", 0, 1, {1: ids}, 16, 0, 0, "boot"))
 
 
 def test_a_push_registration_carries_holes_and_refuses_other_negative_ids() -> None:
-    from kvplane.flows.disagg.errors import ProtocolError
-    from kvplane.flows.disagg.messages import decode
+    from kvplane.flows.disagg.wire.errors import ProtocolError
+    from kvplane.flows.disagg.wire.messages import decode
 
     assert decode(_register([HOLE, 7]), 1 << 20).block_ids == {1: [HOLE, 7]}  # type: ignore[union-attr]
     with pytest.raises(ProtocolError, match="block_ids"):
@@ -123,8 +123,8 @@ def test_a_push_registration_carries_holes_and_refuses_other_negative_ids() -> N
 
 
 def test_transfer_params_carry_holes_and_name_any_other_negative_id() -> None:
-    from kvplane.flows.disagg.errors import TransferParamsError
-    from kvplane.flows.disagg.params import TransferParams
+    from kvplane.flows.disagg.wire.errors import TransferParamsError
+    from kvplane.flows.disagg.wire.params import TransferParams
 
     raw = {"remote_engine_id": "p", "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 5600,
            "tp_size": 1, "remote_block_ids": [[1, 2], [HOLE, 3]]}

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvplane.flows.disagg import channel, messages
-from kvplane.flows.disagg.messages import Cancel
+from kvplane.flows.disagg.wire import channel, messages
+from kvplane.flows.disagg.wire.messages import Cancel
 
 
 @pytest.fixture

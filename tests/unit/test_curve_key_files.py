@@ -15,9 +15,9 @@ import zmq
 
 from kvplane.cli import sidechannel
 from kvplane.cli.main import main
-from kvplane.flows.disagg.auth import SECRET_ENV, check
-from kvplane.flows.disagg.config import DisaggConfig
-from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.flows.disagg.wire.auth import SECRET_ENV, check
+from kvplane.flows.disagg.wire.config import DisaggConfig
+from kvplane.flows.disagg.wire.errors import DisaggConfigError
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 
 

@@ -19,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvplane.flows.disagg.decode_link import (
+from kvplane.flows.disagg.decode.decode_link import (
     RETRY_MAX_S,
     TRANSITIONS,
     Check,

@@ -21,7 +21,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvplane.flows.disagg.decode_actions import (
+from kvplane.flows.disagg.decode.decode_actions import (
     Action,
     Fence,
     GiveStaging,
@@ -33,8 +33,8 @@ from kvplane.flows.disagg.decode_actions import (
     Start,
     ToPrefill,
 )
-from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase, RankView
-from kvplane.flows.disagg.messages import Problem, PushRegister, PushResult
+from kvplane.flows.disagg.decode.decode_request import DecodeRequest, Ident, Phase, RankView
+from kvplane.flows.disagg.wire.messages import Problem, PushRegister, PushResult
 
 DEADLINE_S, DRAIN_S = 5.0, 2.0
 MAX_REQUESTS = 3

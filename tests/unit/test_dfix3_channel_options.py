@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvplane.flows.disagg import DisaggConfig, channel
-from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.flows.disagg import DisaggConfig
+from kvplane.flows.disagg.wire import channel
+from kvplane.flows.disagg.wire.errors import DisaggConfigError
 
 
 @pytest.fixture

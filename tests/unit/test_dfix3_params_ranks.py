@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from kvplane.flows.disagg import TransferParams
-from kvplane.flows.disagg.errors import TransferParamsError
-from kvplane.flows.disagg.limits import MAX_PREFILL_TP
-from kvplane.flows.disagg.tokens import new_token
+from kvplane.flows.disagg.wire.errors import TransferParamsError
+from kvplane.flows.disagg.wire.limits import MAX_PREFILL_TP
+from kvplane.flows.disagg.wire.tokens import new_token
 
 
 def params(**over: object) -> dict[str, object]:

@@ -15,7 +15,7 @@ from ports import free_port
 
 from kvplane.backend import get_backend
 from kvplane.flows.disagg import DisaggConfig, PrefillSide, TransferParams
-from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.flows.disagg.wire.errors import DisaggConfigError
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvplane.kv.binding import allocate_cache
 from kvplane.kv.spec import KVSpec

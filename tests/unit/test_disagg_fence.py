@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvplane.flows.disagg.decode_actions import (
+from kvplane.flows.disagg.decode.decode_actions import (
     Action,
     Fence,
     GiveStaging,
@@ -20,7 +20,7 @@ from kvplane.flows.disagg.decode_actions import (
     Send,
     Start,
 )
-from kvplane.flows.disagg.decode_request import (
+from kvplane.flows.disagg.decode.decode_request import (
     TRANSITIONS,
     DecodeRequest,
     Ident,
@@ -28,7 +28,7 @@ from kvplane.flows.disagg.decode_request import (
     RankView,
     transitions_table,
 )
-from kvplane.flows.disagg.messages import Cancel, ReadDone
+from kvplane.flows.disagg.wire.messages import Cancel, ReadDone
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"
 

@@ -17,11 +17,11 @@ from kvplane.flows.disagg import (
     PrefillSide,
     ProtocolError,
     TransferParams,
-    messages,
 )
-from kvplane.flows.disagg.errors import TransferParamsError
-from kvplane.flows.disagg.limits import PerPeer, RateLimit
-from kvplane.flows.disagg.tokens import is_token, new_token, same_token
+from kvplane.flows.disagg.wire import messages
+from kvplane.flows.disagg.wire.errors import TransferParamsError
+from kvplane.flows.disagg.wire.limits import PerPeer, RateLimit
+from kvplane.flows.disagg.wire.tokens import is_token, new_token, same_token
 from kvplane.kv.binding import allocate_cache
 from kvplane.kv.spec import KVSpec
 from kvplane.transports.batching import check_plan
@@ -140,7 +140,7 @@ def test_one_peers_flood_spends_only_its_own_reply_budget() -> None:
 
 
 def test_early_records_are_capped_per_connection_and_in_total_with_a_floor_for_every_connection() -> None:
-    from kvplane.flows.disagg.limits import EARLY_FLOOR, MAX_EARLY, MAX_EARLY_PER_PEER, EarlyRecords
+    from kvplane.flows.disagg.wire.limits import EARLY_FLOOR, MAX_EARLY, MAX_EARLY_PER_PEER, EarlyRecords
 
     early = EarlyRecords()
     for p in range(MAX_EARLY // MAX_EARLY_PER_PEER):  # peers at their own cap fill the total

@@ -17,11 +17,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvplane.flows.disagg import ownership
-from kvplane.flows.disagg.held_record import Held
-from kvplane.flows.disagg.messages import PushRegister
-from kvplane.flows.disagg.push_target import Target, TargetPhase
-from kvplane.flows.disagg.tokens import new_token
+from kvplane.flows.disagg.prefill import ownership
+from kvplane.flows.disagg.prefill.held_record import Held
+from kvplane.flows.disagg.prefill.push_target import Target, TargetPhase
+from kvplane.flows.disagg.wire.messages import PushRegister
+from kvplane.flows.disagg.wire.tokens import new_token
 
 HONEST, ATTACKER = "decode", "evil"
 RANKS = st.integers(0, 2)

@@ -19,10 +19,10 @@ from kvplane.flows.disagg import (
     ProtocolError,
     TransferParams,
     TransferParamsError,
-    messages,
 )
-from kvplane.flows.disagg.errors import DisaggError
-from kvplane.flows.disagg.staging import StagingArena
+from kvplane.flows.disagg.wire import messages
+from kvplane.flows.disagg.wire.errors import DisaggError
+from kvplane.flows.disagg.wire.staging import StagingArena
 from kvplane.kv.binding import allocate_cache
 from kvplane.kv.spec import KVSpec
 

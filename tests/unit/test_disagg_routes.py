@@ -13,7 +13,7 @@ from hypothesis import given, settings
 
 from kvplane.backend import get_backend
 from kvplane.bench.peer import KVBuffer
-from kvplane.flows.disagg.routes import layers_by_source
+from kvplane.flows.disagg.wire.routes import layers_by_source
 from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVSpec
 from kvplane.plan.heads import source_ranks

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from kvplane.flows.disagg.declines import PendingDeclines
-from kvplane.flows.disagg.decode import DecodeSide
-from kvplane.flows.disagg.decode_link import Link, LinkPhase
-from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase
-from kvplane.flows.disagg.messages import PushResult
-from kvplane.flows.disagg.published import Published
-from kvplane.flows.disagg.records import Conn, Want
+from kvplane.flows.disagg.decode.declines import PendingDeclines
+from kvplane.flows.disagg.decode.decode_link import Link, LinkPhase
+from kvplane.flows.disagg.decode.decode_request import DecodeRequest, Ident, Phase
+from kvplane.flows.disagg.decode.decode_side import DecodeSide
+from kvplane.flows.disagg.decode.records import Conn, Want
+from kvplane.flows.disagg.wire.messages import PushResult
+from kvplane.flows.disagg.wire.published import Published
 
 
 def _side(conns: list[Conn]) -> Any:

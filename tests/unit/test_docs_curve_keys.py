@@ -15,7 +15,7 @@ import pytest
 from kvplane.backend.registry import ENV_VAR, default_registry
 from kvplane.cli import sidechannel
 from kvplane.cli.main import main
-from kvplane.flows.disagg.auth import SECRET_ENV
+from kvplane.flows.disagg.wire.auth import SECRET_ENV
 from kvplane.hosts import is_loopback
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

@@ -1,4 +1,4 @@
-"""The disaggregation I/O loop's command queue (``flows/disagg/loop.py``): the engine's work runs on the loop in
+"""The disaggregation I/O loop's command queue (``flows/disagg/wire/loop.py``): the engine's work runs on the loop in
 order, a command that raises is logged with its name instead of vanishing into a future nobody reads, and a
 closed loop refuses work with a future that says so."""
 
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvplane.flows.disagg.errors import DisaggError
-from kvplane.flows.disagg.loop import IOLoop
+from kvplane.flows.disagg.wire.errors import DisaggError
+from kvplane.flows.disagg.wire.loop import IOLoop
 
 
 @pytest.fixture

@@ -25,6 +25,11 @@ FORBIDDEN = {
     # the flows and transports call the recorder: it sits below them and reads them only through what they hand it
     "metrics": ("kvplane.backend", "kvplane.kv", "kvplane.plan", "kvplane.flows", "kvplane.transports",
                 "kvplane.integrations", "kvplane.bench", "kvplane.cli"),
+    # P/D: the two sides share only wire/ (config, messages, channel, params, loop, mover, local KV); nothing runs
+    # between decode/ and prefill/, and wire/ knows neither
+    "flows/disagg/decode": ("kvplane.flows.disagg.prefill",),
+    "flows/disagg/prefill": ("kvplane.flows.disagg.decode",),
+    "flows/disagg/wire": ("kvplane.flows.disagg.decode", "kvplane.flows.disagg.prefill"),
     # the threads that run kvplane's work (executor, job queue) sit at the bottom, beside errors: any layer uses them
     "runtime": ("kvplane.backend", "kvplane.blocks", "kvplane.kv", "kvplane.plan", "kvplane.flows",
                 "kvplane.transports", "kvplane.metrics", "kvplane.integrations", "kvplane.proxy", "kvplane.bench",

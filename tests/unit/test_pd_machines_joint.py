@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 from test_decode_machine import DEADLINE_S, World
 
-from kvplane.flows.disagg.decode_actions import ToPrefill
-from kvplane.flows.disagg.held_request import (
+from kvplane.flows.disagg.decode.decode_actions import ToPrefill
+from kvplane.flows.disagg.prefill.held_request import (
     Action,
     Drop,
     HeldRequest,
@@ -41,10 +41,10 @@ from kvplane.flows.disagg.held_request import (
     Terms,
     Write,
 )
-from kvplane.flows.disagg.messages import Cancel, Heartbeat, Problem, PushRegister, ReadDone
-from kvplane.flows.disagg.peers import PeerRecord
-from kvplane.flows.disagg.push_target import Target
-from kvplane.flows.disagg.results import Completion
+from kvplane.flows.disagg.prefill.push_target import Target
+from kvplane.flows.disagg.wire.messages import Cancel, Heartbeat, Problem, PushRegister, ReadDone
+from kvplane.flows.disagg.wire.peers import PeerRecord
+from kvplane.flows.disagg.wire.results import Completion
 from kvplane.kv.manifest import Manifest
 
 LEASE_S = 3.5  # shorter than the decode's deadline, longer than a step of the clock: heartbeats keep it

@@ -22,7 +22,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvplane.flows.disagg.held_request import (
+from kvplane.flows.disagg.prefill.held_request import (
     TERMINAL,
     TRANSITIONS,
     Action,
@@ -36,11 +36,11 @@ from kvplane.flows.disagg.held_request import (
     Terms,
     Write,
 )
-from kvplane.flows.disagg.messages import Cancel, Heartbeat, Problem, PushRegister, PushResult, ReadDone
-from kvplane.flows.disagg.peers import PeerRecord
-from kvplane.flows.disagg.push_target import Target
-from kvplane.flows.disagg.results import Completion
-from kvplane.flows.disagg.tokens import new_token
+from kvplane.flows.disagg.prefill.push_target import Target
+from kvplane.flows.disagg.wire.messages import Cancel, Heartbeat, Problem, PushRegister, PushResult, ReadDone
+from kvplane.flows.disagg.wire.peers import PeerRecord
+from kvplane.flows.disagg.wire.results import Completion
+from kvplane.flows.disagg.wire.tokens import new_token
 from kvplane.kv.manifest import Manifest
 
 HONEST, FORGER = "decode", "evil"

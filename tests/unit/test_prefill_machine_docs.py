@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvplane.flows.disagg.held_request import TERMINAL, TRANSITIONS, Phase, render_transitions
+from kvplane.flows.disagg.prefill.held_request import TERMINAL, TRANSITIONS, Phase, render_transitions
 from kvplane.machines import reachable
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"

@@ -10,9 +10,9 @@ from typing import cast
 
 import numpy as np
 
-from kvplane.flows.disagg.held_request import HeldRequest, Release, Send, Terms, Write
-from kvplane.flows.disagg.messages import Problem, PushRegister, PushResult
-from kvplane.flows.disagg.peers import PeerRecord
+from kvplane.flows.disagg.prefill.held_request import HeldRequest, Release, Send, Terms, Write
+from kvplane.flows.disagg.wire.messages import Problem, PushRegister, PushResult
+from kvplane.flows.disagg.wire.peers import PeerRecord
 from kvplane.kv.manifest import Manifest
 
 TERMS = Terms(rank=0, lease_s=10.0, push_timeout_s=5.0)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvplane.errors import PeerUnreachable
-from kvplane.flows.disagg.peers import Prober
+from kvplane.flows.disagg.wire.peers import Prober
 from kvplane.transports.base import PeerInfo
 
 DECODE = PeerInfo("mooncake", "10.0.0.9:15001", "10.0.0.9", 15001)

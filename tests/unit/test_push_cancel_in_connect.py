@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from test_pd_machines_joint import RealPrefill
 
-from kvplane.flows.disagg.decode_actions import Action, GiveStaging, Note, Report, Send, Start
-from kvplane.flows.disagg.decode_request import DecodeRequest, Ident, Phase, RankView
-from kvplane.flows.disagg.held_request import HeldRequest, Terms
-from kvplane.flows.disagg.messages import Heartbeat, Problem, PushResult
+from kvplane.flows.disagg.decode.decode_actions import Action, GiveStaging, Note, Report, Send, Start
+from kvplane.flows.disagg.decode.decode_request import DecodeRequest, Ident, Phase, RankView
+from kvplane.flows.disagg.prefill.held_request import HeldRequest, Terms
+from kvplane.flows.disagg.wire.messages import Heartbeat, Problem, PushResult
 
 HOLD_S = 1000.0  # the prefill's lease and push timeout: the clock never gets near it
 DEADLINE_S = 2.0  # the decode request's: passing it is one way to give up

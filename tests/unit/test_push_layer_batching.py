@@ -15,7 +15,7 @@ import numpy as np
 
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg.held_request import (
+from kvplane.flows.disagg.prefill.held_request import (
     WRITES_PER_TARGET,
     HeldRequest,
     Prepare,
@@ -24,12 +24,12 @@ from kvplane.flows.disagg.held_request import (
     Terms,
     Write,
 )
-from kvplane.flows.disagg.local import LocalKV
-from kvplane.flows.disagg.messages import PushRegister, PushResult
-from kvplane.flows.disagg.mover import Mover
-from kvplane.flows.disagg.peers import PeerRecord
-from kvplane.flows.disagg.push_target import Target, TargetPhase
-from kvplane.flows.disagg.pusher import Pusher
+from kvplane.flows.disagg.prefill.push_target import Target, TargetPhase
+from kvplane.flows.disagg.prefill.pusher import Pusher
+from kvplane.flows.disagg.wire.local import LocalKV
+from kvplane.flows.disagg.wire.messages import PushRegister, PushResult
+from kvplane.flows.disagg.wire.mover import Mover
+from kvplane.flows.disagg.wire.peers import PeerRecord
 from kvplane.kv.binding import allocate_cross_layer, regions_from_tensors
 from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVSpec

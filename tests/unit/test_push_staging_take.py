@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from kvplane.flows.disagg import decode_start
-from kvplane.flows.disagg.errors import DisaggError
-from kvplane.flows.disagg.staging import StagingArena
+from kvplane.flows.disagg.decode import decode_start
+from kvplane.flows.disagg.wire.errors import DisaggError
+from kvplane.flows.disagg.wire.staging import StagingArena
 
 
 def _starter(arena: StagingArena) -> decode_start.Starter:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvplane.flows.disagg.push_target import TRANSITIONS, Target, TargetPhase
+from kvplane.flows.disagg.prefill.push_target import TRANSITIONS, Target, TargetPhase
 from kvplane.machines import reachable, transitions_table
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"

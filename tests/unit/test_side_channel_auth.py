@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 from kvplane.cli import sidechannel
-from kvplane.flows.disagg.auth import SECRET_ENV, curve_keys
-from kvplane.flows.disagg.config import DisaggConfig
-from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.flows.disagg.wire.auth import SECRET_ENV, curve_keys
+from kvplane.flows.disagg.wire.config import DisaggConfig
+from kvplane.flows.disagg.wire.errors import DisaggConfigError
 
 
 def keypair() -> tuple[str, str]:

@@ -13,9 +13,9 @@ from kvref import split_choice
 from test_planner import HEADS, Rank, ids_for
 
 from kvplane.backend import get_backend
-from kvplane.flows.disagg.errors import DisaggError
-from kvplane.flows.disagg.staging import StagingArena
-from kvplane.flows.disagg.staging_chunks import block_unit, chunk_bound, split_staged
+from kvplane.flows.disagg.decode.staging_chunks import block_unit, chunk_bound, split_staged
+from kvplane.flows.disagg.wire.errors import DisaggError
+from kvplane.flows.disagg.wire.staging import StagingArena
 from kvplane.kv.layouts import get_layout
 from kvplane.plan.heads import source_ranks
 from kvplane.plan.planner import StagedLayer, plan_transfer

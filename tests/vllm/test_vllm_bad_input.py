@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvplane.flows.disagg.tokens import new_token
+from kvplane.flows.disagg.wire.tokens import new_token
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 
@@ -119,7 +119,7 @@ def test_a_prefill_side_that_refuses_the_hand_over_is_logged_and_frees_the_block
     refusal must not raise into vLLM's model runner, and the blocks vLLM was told to keep must come back to it.
     The refusal is planted: no known input makes the prefill side raise there once the scheduler checked it."""
     from kvplane.flows.disagg import PrefillSide
-    from kvplane.flows.disagg.errors import DisaggError
+    from kvplane.flows.disagg.wire.errors import DisaggError
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise DisaggError("planted refusal")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kvplane.flows.disagg.tokens import new_token
+from kvplane.flows.disagg.wire.tokens import new_token
 from kvplane.proxy import Instance, bodies
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")

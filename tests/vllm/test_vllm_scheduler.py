@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.flows.disagg.tokens import new_token
+from kvplane.flows.disagg.wire.tokens import new_token
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
 

@@ -29,7 +29,7 @@ from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig  # noqa: E
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 
-from kvplane.flows.disagg.params import TransferParams  # noqa: E402
+from kvplane.flows.disagg.wire.params import TransferParams  # noqa: E402
 from kvplane.integrations.vllm import KVPlaneConnector  # noqa: E402
 
 BLOCK = 16

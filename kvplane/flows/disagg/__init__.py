@@ -6,18 +6,18 @@ transport (Mooncake TE or NIXL), in pull, push or layer-wise push mode.
 request ends on either side: ``done``, ``failed`` or ``timed_out``.
 """
 
-from kvplane.flows.disagg.config import DisaggConfig
-from kvplane.flows.disagg.decode import DecodeSide
-from kvplane.flows.disagg.errors import (
+from kvplane.flows.disagg.decode.decode_side import DecodeSide
+from kvplane.flows.disagg.prefill.prefill_side import PrefillSide
+from kvplane.flows.disagg.wire.config import DisaggConfig
+from kvplane.flows.disagg.wire.errors import (
     DisaggConfigError,
     DisaggError,
     HandshakeError,
     ProtocolError,
     TransferParamsError,
 )
-from kvplane.flows.disagg.params import TransferParams
-from kvplane.flows.disagg.prefill import PrefillSide
-from kvplane.flows.disagg.results import Completion
+from kvplane.flows.disagg.wire.params import TransferParams
+from kvplane.flows.disagg.wire.results import Completion
 
 __all__ = [
     "Completion",

@@ -13,7 +13,7 @@ come from vLLM (``dp_rank`` is ``parallel_config.data_parallel_index``: vLLM res
 every engine of a dense model, so it cannot tell DP ranks apart). ``disagg.host`` is the advertised address,
 ``disagg.bind_host`` the one the side channel binds; ``KVPLANE_SIDE_CHANNEL_HOST``, ``..._BIND_HOST``,
 ``..._PORT``, ``KVPLANE_MOONCAKE_PROTOCOL``, ``KVPLANE_MOONCAKE_DEVICE`` and ``KVPLANE_NIXL_BACKENDS`` override
-them (``flows/disagg/addresses.py``; a set variable wins over the key). Built in both the scheduler and every
+them (``flows/disagg/wire/addresses.py``; a set variable wins over the key). Built in both the scheduler and every
 worker from the same dict with ``kvplane.config.build`` (msgspec): a
 bad value raises ``ConnectorConfigError`` (or ``OffloadConfigError``) naming its path (``$.offload.host_bytes``),
 the value and the fix, before anything starts. Enumerated values are checked against what is there: ``device``
@@ -35,9 +35,9 @@ from kvplane.backend.registry import ENV_VAR as DEVICE_ENV
 from kvplane.backend.registry import default_registry as backends
 from kvplane.config import build, check_keys
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg.addresses import blame, env_overrides
-from kvplane.flows.disagg.config import DisaggConfig
-from kvplane.flows.disagg.errors import DisaggConfigError
+from kvplane.flows.disagg.wire.addresses import blame, env_overrides
+from kvplane.flows.disagg.wire.config import DisaggConfig
+from kvplane.flows.disagg.wire.errors import DisaggConfigError
 from kvplane.flows.offload.config import OffloadConfig
 from kvplane.kv.layouts import LAYOUTS
 from kvplane.kv.spec import FAMILY_SLOTS

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvplane.flows.disagg.params import TransferParams
+from kvplane.flows.disagg.wire.params import TransferParams
 from kvplane.integrations.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 Groups = dict[int, list[int]]

@@ -3,7 +3,7 @@ one vLLM dropped unstarted, and which KV-cache groups leave out the blocks vLLM'
 
 vLLM counts the prompt tokens its prefix cache holds as computed and asks the connector for the rest; the
 scheduler side passes that count on (``Receive.local_tokens``, whole blocks of each group), and the decode side
-moves only the blocks after it (``flows/disagg/routes.py``). A group leaves its hit blocks out only where vLLM's
+moves only the blocks after it (``flows/disagg/wire/routes.py``). A group leaves its hit blocks out only where vLLM's
 hit promises their KV is in them: a group vLLM caches by prefix hash (full attention; a sliding window, whose hit
 holds the blocks of its window and vLLM's null block before). A group vLLM does not cache by hash
 (``prefix_cacheable`` false) or whose hit it rebuilds by replaying its window (``prefix_replay_tokens``, vLLM

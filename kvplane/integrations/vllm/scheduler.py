@@ -21,9 +21,9 @@ import numpy as np
 
 from kvplane.blocks.groups import HOLE
 from kvplane.errors import KvplaneError
-from kvplane.flows.disagg.config import DisaggConfig
-from kvplane.flows.disagg.params import TransferParams
-from kvplane.flows.disagg.tokens import is_token, new_token
+from kvplane.flows.disagg.wire.config import DisaggConfig
+from kvplane.flows.disagg.wire.params import TransferParams
+from kvplane.flows.disagg.wire.tokens import is_token, new_token
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, lookup_address
 from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
@@ -341,7 +341,7 @@ class SchedulerSide:
         if not record.bad_token_logged:
             record.bad_token_logged = True
             logger.warning("kvplane: request %s has kv_transfer_params kvplane_token=%r, not 32 lowercase hex digits "
-                           "(kvplane proxy draws it with kvplane.flows.disagg.tokens.new_token()); its KV is not "
+                           "(kvplane proxy draws it with kvplane.flows.disagg.wire.tokens.new_token()); its KV is not "
                            "held for a decode", request.request_id, token)
         return None
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvplane.flows.disagg.params import TransferParams
+from kvplane.flows.disagg.wire.params import TransferParams
 from kvplane.integrations.vllm.metadata import Groups
 
 
