@@ -32,8 +32,7 @@ from kvplane.plan.pairing import REPLICATED_FAMILIES, Pairing, describe, head_ma
 from kvplane.plan.pairing import pairing as pairing_of
 from kvplane.plan.tokens import Chunks, token_chunks
 
-__all__ = ["REPLICATED_FAMILIES", "StagedLayer", "StagedRegion", "TransferPlan", "plan_transfer",
-           "staging_bytes_needed"]
+__all__ = ["REPLICATED_FAMILIES", "StagedLayer", "StagedRegion", "TransferPlan", "plan_transfer"]
 
 @dataclass(frozen=True)
 class StagedRegion:
@@ -87,8 +86,8 @@ def plan_transfer(
     """Plan moving a request's KV from ``src``'s rank to ``dst``'s rank.
 
     Block ids and token counts are per KV-cache group. ``staging`` is ``(addr, nbytes)`` of a registered buffer
-    on the destination; it is needed only when some layer must be staged (``staging_bytes_needed`` says how
-    much), and a plan that needs more raises ``PlanError`` naming the size.
+    on the destination; it is needed only when some layer must be staged (``staging_bytes`` of a plan made with
+    room to spare, ``staging=(0, 1 << 62)``, says how much), and a plan that needs more raises ``PlanError`` naming the size.
 
     How each layer's regions pair up depends only on the two manifests and the layer list, so it is worked
     out once per manifest pair (kept for the last 64 pairs); per request only arrays over blocks are built.
@@ -177,20 +176,6 @@ def _staged_parts(pairing: Pairing, chunks_of: Mapping[int, Chunks], src_block_i
             dst_head_start=st.d_h0,
         ))
     return parts, staged, used
-
-
-def staging_bytes_needed(
-    src: Manifest,
-    dst: Manifest,
-    src_block_ids: Mapping[int, npt.ArrayLike],
-    dst_block_ids: Mapping[int, npt.ArrayLike],
-    num_tokens: Mapping[int, int],
-    *,
-    layers: Sequence[str] | None = None,
-) -> int:
-    """Bytes of staging buffer ``plan_transfer`` will need for the same arguments."""
-    unbounded = (0, 1 << 62)  # addresses are not used, only the size is read
-    return plan_transfer(src, dst, src_block_ids, dst_block_ids, num_tokens, layers=layers, staging=unbounded).staging_bytes
 
 
 def _chunks(

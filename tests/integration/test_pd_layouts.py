@@ -21,7 +21,7 @@ from kvplane.kv.layouts import get_layout
 from kvplane.kv.manifest import Manifest
 from kvplane.kv.spec import KVSpec
 from kvplane.plan.heads import source_ranks
-from kvplane.plan.planner import plan_transfer, staging_bytes_needed
+from kvplane.plan.planner import plan_transfer
 from kvplane.plan.relayout import apply_relayout
 from kvplane.transports.base import Transport, TransportConfig
 from kvplane.transports.registry import get_transport_class
@@ -130,7 +130,7 @@ def read_into(
 ) -> None:
     src_manifest = rig.source(src)
     args = (src_manifest, dst_manifest, {0: src_ids}, {0: dst_ids}, {0: TOKENS})
-    staging = rig.arena.take(max(staging_bytes_needed(*args), 64))
+    staging = rig.arena.take(max(plan_transfer(*args, staging=(0, 1 << 62)).staging_bytes, 64))
     tp = plan_transfer(*args, staging=(staging.data_ptr(), staging.numel()))
     rig.transport.transfer(rig.handle, "READ", tp.plan)
     for staged in tp.staged:
