@@ -37,7 +37,7 @@ from kvplane.bench.scenario import Scenario
 from kvplane.bench.timing import MIN_REPS, Samples, timed_cpu
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
-from kvplane.kv.binding import layouts_by_family
+from kvplane.kv.binding import token_rows
 from kvplane.plan.planner import plan_transfer
 
 VENDORS = {"npu": 128, "cuda": 16}  # the backends whose cache facts the pairs take, and their engines' block sizes
@@ -92,22 +92,9 @@ def close_all() -> None:
     _held.release()
 
 
-def token_rows(kv: KVBuffer, ids: np.ndarray, tokens: int) -> dict[tuple[str, str], torch.Tensor]:
-    """Per (layer, slot) the request's first ``tokens`` as ``(tokens, heads, width)``, read through the layout."""
-    by_family = layouts_by_family(kv.layout)
-    index = torch.as_tensor(ids)
-    out = {}
-    for layer in kv.spec.layers:
-        tokens_per_block = kv.spec.group(layer.group_id).tokens_per_block
-        for st in by_family[layer.family].slot_tensors(layer, tokens_per_block, kv.cache[layer.name]):
-            rows = st.tensor.index_select(0, index).reshape(-1, st.heads, st.row_elems)[:tokens]
-            for name, offset, width in st.parts:
-                out[(layer.name, name)] = rows[..., offset : offset + width]
-    return out
-
-
 def _same_tokens(sides: Sides, p_ids: np.ndarray, d_ids: np.ndarray, tokens: int) -> bool:
-    got, want = token_rows(sides.d_kv, d_ids, tokens), token_rows(sides.p_kv, p_ids, tokens)
+    got, want = (token_rows(kv.spec, kv.cache, kv.layout, {0: ids.tolist()}, tokens)
+                 for kv, ids in ((sides.d_kv, d_ids), (sides.p_kv, p_ids)))
     def raw(t: torch.Tensor) -> torch.Tensor:  # bits, not values: the fill's words hold NaNs
         return t.contiguous().view(torch.uint8)
 

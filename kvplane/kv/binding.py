@@ -7,7 +7,7 @@ its family. The result borrows the tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvplane.descriptors import Region
@@ -85,6 +85,26 @@ def slot_tensors(spec: KVSpec, tensors: Mapping[str, LayerValue], layouts: Layou
                 f"stores them (e.g. mla_split with an index tensor, or the index layout for a separate layer)"
             )
         out.extend(found)
+    return out
+
+
+def token_rows(spec: KVSpec, tensors: Mapping[str, LayerValue], layouts: LayoutChoice,
+               block_ids: Mapping[int, Sequence[int]], tokens: int) -> dict[tuple[str, str], torch.Tensor]:
+    """Per ``(layer, slot)``, in spec order, the first ``tokens`` tokens of the blocks ``block_ids`` (per KV-cache
+    group) as ``(tokens, heads, dim)``: the same values whatever the layout, memory order and block size (K and V in
+    one row or apart, fused or split MLA), so two caches of different engines compare slot by slot."""
+    import torch
+
+    by_family = layouts_by_family(layouts)
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for layer in spec.layers:
+        index = torch.as_tensor(list(block_ids[layer.group_id]), dtype=torch.int64)
+        per_block = spec.group(layer.group_id).tokens_per_block
+        parts = {}
+        for st in _layout_of(spec, by_family, layer.name).slot_tensors(layer, per_block, tensors[layer.name]):
+            rows = st.tensor.index_select(0, index.to(st.tensor.device)).reshape(-1, st.heads, st.row_elems)[:tokens]
+            parts.update({name: rows[..., offset : offset + width] for name, offset, width in st.parts})
+        out.update({(layer.name, slot.name): parts[slot.name] for slot in layer.slots})
     return out
 
 

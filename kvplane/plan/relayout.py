@@ -56,8 +56,9 @@ def apply_relayout(
     d0, t0, per_block = staged.dst_head_start, staged.dst_token_start, staged.dst_tokens_per_block
     ids = torch.as_tensor(staged.dst_block_ids[: -(-(t0 + tokens) // per_block)])
     at = torch.arange(t0, t0 + tokens)
+    blocks, offsets = ids[at // per_block], at % per_block  # each token's destination block and place in it
     for st in dst_layout.slot_tensors(dst_layer, per_block, dst_value):
-        block, token = ids.to(st.tensor.device)[at // per_block], (at % per_block).to(st.tensor.device)
+        block, token = blocks.to(st.tensor.device), offsets.to(st.tensor.device)
         for name, offset, width in st.parts:
             if name not in src:
                 raise PlanError(f"layer {staged.layer_name!r}: the source has no slot {name!r} to fill it from")

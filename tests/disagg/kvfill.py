@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from kvref import split_choice
 
+from kvplane.kv.binding import token_rows
 from kvplane.kv.layouts import LayerValue, get_layout
 from kvplane.kv.spec import KVSpec
 
@@ -67,17 +68,9 @@ def digest(
     spec: KVSpec, cache: Mapping[str, LayerValue], layout: str, table: Mapping[int, list[int]], tokens: int
 ) -> str:
     """A hash of the request's first ``tokens`` tokens (``table``: block ids per group) of every slot of every
-    layer, slot by slot in spec order, each as ``(tokens, heads, dim)``: equal for the same KV whatever the layout
-    and block size (K and V packed in one row or apart, fused or split MLA)."""
+    layer, slot by slot in spec order, each as ``(tokens, heads, dim)`` (``token_rows``): equal for the same KV
+    whatever the layout and block size (K and V packed in one row or apart, fused or split MLA)."""
     h = hashlib.blake2b(digest_size=16)
-    lay = get_layout(split_choice(layout)[0])
-    for layer in spec.layers:
-        ids = torch.as_tensor(np.asarray(table[layer.group_id], dtype=np.int64))
-        tokens_per_block = spec.group(layer.group_id).tokens_per_block
-        slots: dict[str, torch.Tensor] = {}
-        for st in lay.slot_tensors(layer, tokens_per_block, cache[layer.name]):
-            rows = st.tensor.index_select(0, ids).reshape(len(ids) * tokens_per_block, st.heads, -1)[:tokens]
-            slots.update({name: rows[..., offset : offset + width] for name, offset, width in st.parts})
-        for slot in layer.slots:
-            h.update(slots[slot.name].contiguous().view(torch.uint8).numpy().tobytes())
+    for rows in token_rows(spec, cache, split_choice(layout)[0], table, tokens).values():
+        h.update(rows.contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

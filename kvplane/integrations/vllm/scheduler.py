@@ -301,11 +301,11 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if self.config.is_decode and params.get("do_remote_prefill") and params.get("remote_engine_id"):
             params["do_remote_prefill"] = False  # never allocated, so never received: the prefill frees it now
-            typed, problem = (record.params, record.refused) if record.params else self._parse(params)
-            if typed is not None:
-                self._meta.declines.append(typed)
+            self._enter(request, record)  # parsed already where the request was matched, if it was
+            if record.params is not None:
+                self._meta.declines.append(record.params)
             else:  # nothing names the prefill request: it frees at its lease's end
-                logger.warning("kvplane: could not decline the receive of request %s: %s", rid, problem)
+                logger.warning("kvplane: could not decline the receive of request %s: %s", rid, record.refused)
             return None, None
         if not (self.config.is_prefill and params.get("do_remote_decode")):
             return None, None
