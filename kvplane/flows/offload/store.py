@@ -1,28 +1,24 @@
 """The store tier: Mooncake Store (``MooncakeDistributedStore``) behind calls that are always bounded.
 
-The offload engine puts whole host blocks under their prefix keys (``keys.py``) and gets them back into host
-blocks; both go straight from and into the registered host pool (``batch_put_from`` / ``batch_get_into``).
-
-A store that stops answering must never fail or hang a request. Every Mooncake call runs on one of three daemon
-executors (``kvplane/runtime``: puts on one, gets on another, setup, existence checks and ``close`` on the third),
-so a lookup never queues behind bulk I/O and a get, which a load waits for, never queues behind puts, which
-nobody waits for (a get behind a burst of write-through puts used to run out its bound and turn a healthy store
-off), and the caller waits at most ``timeout_s`` plus the call's bytes at ``min_gbps``. The client's health is a value, not a call: a monitor thread asks ``health_check`` every
-``health_interval_s`` and keeps the answer (``StoreTier.healthy``; a thread of its own, a timer rather than a queue
-of calls, so it keeps reporting while a call hangs on the query executor), so a lookup made under the connector's
-worker lock reads it without waiting. A call past its bound, a client that reports itself unhealthy, a call
-answered with ``RPC_FAIL`` or ``RPC_TIMEOUT`` (the real client keeps reporting healthy for about a second after its master dies), or a
-setup that does not finish (against a dead master ``setup`` itself takes about 90 s, holding the GIL: so it is
-called only once the master accepts a TCP connection and a probe client in a child process set up against it,
-and tried again every ``retry_after_s`` until then) turns the
-tier off with one warning; once ``retry_after_s`` has passed and the monitor reports the client healthy, the next call turns it back
-on. A call that timed out may still be running: the caller keeps the host blocks it reads or writes pinned until
-its future completes (``StoreWrite.done``), so a late transfer never sees a reused block. Puts the store refuses
-(a full segment) are counted in ``refused`` and logged once per stretch, not once each.
-
-What the tier must know about the client apart from its calls (the return codes, importing it, the probe
-before setup, abandoning it) is in ``store_client.py``; the refusal count and its log are in
-``store_refusals.py``. Both are importable from here as before.
+The offload engine (and vLLM's tiering manager through ``integrations/vllm_tier``) puts whole host blocks under
+their keys and gets them back, straight from and into registered host memory (``batch_put_from`` /
+``batch_get_into``). A store that stops answering must never fail or hang a request. Every Mooncake call runs on
+one of three daemon executors (``kvplane/runtime``: puts, gets, and setup, existence checks and ``close``), so a
+lookup never queues behind bulk I/O and a get, which a load waits for, never queues behind puts (a get behind a
+burst of write-through puts used to run out its bound and turn a healthy store off); a caller waits at most
+``timeout_s`` plus the call's bytes at ``min_gbps``, or not at all (``start_get``, ``put``: a future). The
+client's health is a value, not a call: a monitor thread of its own asks ``health_check`` every
+``health_interval_s`` and keeps the answer (``StoreTier.healthy``), so a lookup under the connector's worker
+lock reads it without waiting. A call past its bound, an unhealthy client, a call answered with ``RPC_FAIL`` or
+``RPC_TIMEOUT`` (the real client reports healthy for about a second after its master dies), or a setup that does
+not finish (against a dead master ``setup`` takes about 90 s holding the GIL: so it is called only once the
+master accepts a TCP connection and a probe client in a child process set up against it, and tried again every
+``retry_after_s``) turns the tier off with one warning; once ``retry_after_s`` has passed and the monitor reports
+the client healthy, the next call turns it back on. A call that timed out may still be running: the caller keeps
+the host blocks it reads or writes pinned until its future completes (``StoreWrite``), so a late transfer never
+sees a reused block. Puts the store refuses (a full segment) are counted in ``refused`` and logged once per
+stretch. What the tier must know about the client apart from its calls (return codes, importing it, the probe,
+abandoning it) is in ``store_client.py``; the refusal log in ``store_refusals.py``.
 """
 
 from __future__ import annotations
@@ -74,7 +70,7 @@ _answered: dict[str, float] = {}
 
 @dataclass
 class StoreWrite:
-    """A put in flight: the host blocks it reads stay pinned until ``future`` is done, even past ``deadline``."""
+    """A put or get in flight: the host blocks it reads or writes stay pinned until ``future`` is done."""
 
     future: Future[list[int]]
     deadline: float
@@ -92,7 +88,7 @@ class StoreTier:
         self._gets = Executor("kvplane-store-get")  # gets: a load waits for them, never behind a put
         self._query = Executor("kvplane-store-query")  # setup, existence checks: never queued behind bulk I/O
         self._buffers: list[tuple[int, int]] = []
-        self._put_tail = 0.0  # the deadline of the last put queued (put_deadline)
+        self._tails = {"put": 0.0, "get": 0.0}  # the deadline of the last put (get) queued (put_deadline)
         self._done: set[tuple[int, int]] = set()  # buffers the client took: the real one refuses a second time
         self._registered = False
         self._register_lock = threading.Lock()
@@ -288,19 +284,34 @@ class StoreTier:
             return None
         return [int(f) == 1 for f in found]
 
-    def put(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> Future[list[int]] | None:
-        """Start putting host ranges under ``keys``; None when the store is down (nothing was started)."""
+    def put(
+        self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], *, missing_only: bool = False
+    ) -> Future[list[int]] | None:
+        """Start putting host ranges under ``keys``; None when the store is down (nothing was started). With
+        ``missing_only`` the call first asks which keys the store holds and moves only the others (those it
+        holds answer 0)."""
         if not keys or not self.up:
             return None
         k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
+        if missing_only:
+            return self._io.submit(partial(self._put_missing, k, a, s), "batch_put_from")
         put = partial(self._client.batch_put_from, k, a, s)
         return self._io.submit(recorder().store_call("write", s, lambda: [int(rc) for rc in put()]), "batch_put_from")
 
-    def put_deadline(self, nbytes: int) -> float:
-        """When a put submitted now must be done: its own bound, after the bounds of the puts queued before it
-        (they run one at a time), so a put is never reported late for the time it spent waiting its turn."""
-        self._put_tail = max(time.monotonic(), self._put_tail) + self.bound(nbytes)
-        return self._put_tail
+    def _put_missing(self, keys: list[str], addrs: list[int], sizes: list[int]) -> list[int]:
+        codes = [0] * len(keys)  # the keys the store holds answer 0
+        if todo := [i for i, found in enumerate(self._client.batch_is_exist(keys)) if int(found) != 1]:
+            sub = [sizes[i] for i in todo]
+            put = partial(self._client.batch_put_from, [keys[i] for i in todo], [addrs[i] for i in todo], sub)
+            for i, rc in zip(todo, recorder().store_call("write", sub, lambda: [int(rc) for rc in put()])()):
+                codes[i] = rc
+        return codes
+
+    def put_deadline(self, nbytes: int, call: str = "put") -> float:
+        """When a put (``call="get"``: a get) submitted now must be done: its bound after those of the calls of
+        its kind queued before it (they run one at a time), so no call is late for the time it waited its turn."""
+        self._tails[call] = max(time.monotonic(), self._tails[call]) + self.bound(nbytes)
+        return self._tails[call]
 
     def check_put(self, write: StoreWrite) -> bool:
         """True once ``write`` is done (its pins may go); degrades when it runs past its deadline or failed."""
@@ -327,19 +338,41 @@ class StoreTier:
         When the call timed out its future is still running: the caller keeps the destination pinned until
         it is done.
         """
-        if not keys or not self.up:
+        future = self.start_get(keys, addrs, sizes)
+        if future is None:
             return [False] * len(keys), None
+        got = self._wait(future, "batch_get_into", sum(int(x) for x in sizes))
+        return ([False] * len(keys) if got is None else self._got(got, sizes)), future
+
+    def start_get(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> Future[list[int]] | None:
+        """Start getting ``keys`` into host ranges without waiting; None when the store is down (nothing started).
+        ``check_get`` reads the result once the future is done."""
+        if not keys or not self.up:
+            return None
         k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
         get = partial(self._client.batch_get_into, k, a, s)
-        future = self._gets.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]),
-                                   "batch_get_into")
-        got = self._wait(future, "batch_get_into", sum(s))
-        if got is None:
-            return [False] * len(keys), future
-        ok = [rc == size for rc, size in zip(got, s)]
+        return self._gets.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]),
+                                 "batch_get_into")
+
+    def check_get(self, read: StoreWrite, sizes: Sequence[int]) -> list[bool] | None:
+        """Per-key success once the get ``read`` is done, None while it runs (its destination stays pinned);
+        degrades when it runs past its deadline, raised, or the master did not answer."""
+        if not read.future.done():
+            if time.monotonic() > read.deadline:
+                self._degrade(f"a get of {read.nbytes} B did not finish in time")
+                read.deadline = float("inf")  # warn once per read
+            return None
+        error = read.future.exception()
+        if error is not None:
+            self._degrade(f"batch_get_into raised {error!r}")
+            return [False] * len(sizes)
+        return self._got(read.future.result(), sizes)
+
+    def _got(self, got: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+        ok = [rc == int(size) for rc, size in zip(got, sizes)]
         if UNANSWERED.intersection(got) or (not any(ok) and got and all(rc < 0 and rc != OBJECT_NOT_FOUND for rc in got)):
             self._degrade(f"batch_get_into returned errors {sorted(set(got))[:3]}")
-        return ok, future
+        return ok
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Close the client when it is healthy (bounded); an unreachable one is abandoned, never waited on.
