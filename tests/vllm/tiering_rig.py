@@ -73,9 +73,12 @@ class TieredInstance:
     """One vLLM instance's scheduler-side offloading: vLLM's manager, primary tier, and kvplane's store tier."""
 
     def __init__(self, model_dir: str, tier: dict[str, Any], *, cpu_blocks: int = 32, num_blocks: int = 80,
-                 events: bool = True) -> None:
+                 events: bool = True, head_dim: int = HEAD_DIM, pause_s: float = 0.005) -> None:
+        """``head_dim`` sizes a block (the bench uses big ones); ``pause_s``: the wait between polled steps."""
+        page = PAGE * head_dim // HEAD_DIM
+        self.pause_s = pause_s
         load_general_plugins()  # as each vLLM process does: kvplane's plugin registers the tier type (0.27.1)
-        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_blocks * PAGE * len(LAYERS),
+        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_blocks * page * len(LAYERS),
                  "secondary_tiers": [tier]}
         transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                     kv_connector_extra_config=extra, engine_id=f"tier-{uuid.uuid4().hex[:8]}")
@@ -89,10 +92,10 @@ class TieredInstance:
         )
         if hasattr(config.cache_config, "kv_cache_layout"):  # 0.33: the engine core resolves it before planning
             config.cache_config.kv_cache_layout = "NHD"
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=head_dim, dtype=torch.float32)
         # vLLM's own planner lays the caches out (KVCacheTensor differs between the versions)
         specs = [dict.fromkeys(LAYERS, spec)]
-        planned = (specs, [num_blocks * PAGE * len(LAYERS)])
+        planned = (specs, [num_blocks * page * len(LAYERS)])
         [kv_cache_config] = (get_kv_cache_configs(config, *planned) if get_global_kv_cache_groups is None else
                              get_kv_cache_configs(config, *planned, get_global_kv_cache_groups(config, specs)))
         self.spec = OffloadingSpecFactory.create_spec(build_offloading_config(config, kv_cache_config))
@@ -124,11 +127,19 @@ class TieredInstance:
     def store(self, keys: list[OffloadKey], *, steps: int = 2000) -> None:
         """A request stores ``keys``' blocks in the primary tier (their bytes: ``content``), and the manager
         cascades them to the store; steps until nothing is pending."""
+        self.cascade(*self.stage(keys), steps=steps)
+
+    def stage(self, keys: list[OffloadKey]) -> tuple[ReqContext, Any]:
+        """The first half of ``store``: the primary slots are allocated and written (the GPU -> CPU copy)."""
         req = self.open_request()
         out = self.manager.prepare_store(keys, req)
         assert out is not None, "the primary tier refused the store"
         for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
             self.view[slot] = content(key, self.view.shape[1])
+        return req, out
+
+    def cascade(self, req: ReqContext, out: Any, *, steps: int = 2000) -> None:
+        """The second half: the copy is reported done, the manager cascades the slots to the store."""
         self.manager.complete_store(out.keys_to_store, req)
         self.close_request(req)
         self.settle(steps)
@@ -138,7 +149,7 @@ class TieredInstance:
             self.step()
             if not self.manager.has_pending_work():
                 return
-            time.sleep(0.005)
+            time.sleep(self.pause_s)
         raise AssertionError(f"jobs still pending after {steps} steps")
 
     def until_answered(self, keys: list[OffloadKey], req: ReqContext, steps: int = 2000) -> list[LookupResult]:
@@ -150,7 +161,7 @@ class TieredInstance:
             if all(r in (LookupResult.HIT, LookupResult.MISS) for r in results):
                 self.settle(steps)
                 return results
-            time.sleep(0.005)
+            time.sleep(self.pause_s)
         raise AssertionError(f"lookups still pending after {steps} steps: {results}")
 
     def load(self, keys: list[OffloadKey]) -> tuple[list[LookupResult], dict[OffloadKey, bytes]]:
