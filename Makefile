@@ -115,7 +115,7 @@ bench: $(STAMP)
 	$(VENV)/bin/kvplane bench
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvplane backends tests examples
+	$(VENV)/bin/ruff check kvplane backends tests examples scripts
 	$(VENV)/bin/mypy
 
 clean:

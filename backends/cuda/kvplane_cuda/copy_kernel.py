@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def copy_descriptors(table, count, BLOCK: tl.constexpr, WORD: tl.constexpr,  # type: ignore[no-untyped-def]
                      ALIGNED16: tl.constexpr = False):
     i = tl.program_id(0)

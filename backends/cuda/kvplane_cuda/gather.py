@@ -90,7 +90,7 @@ def _pinned_int64(n: int) -> torch.Tensor:
 def _cuda_event() -> Any:
     import torch
 
-    return torch.cuda.Event()
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
 
 class TritonCopyKernel:
