@@ -7,7 +7,10 @@ through the store, and the bytes one loads are the bytes the other stored. Runs 
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
+from typing import Any
 
 from realsched import tiny_model_dir
 from tiering_rig import TieredInstance, block_keys, content, tier_entry
@@ -50,11 +53,47 @@ def test_another_model_never_reads_these_objects(model_dir: str, master, tmp_pat
         b.shutdown()
 
 
+def reported(instance: TieredInstance) -> list[Any]:
+    """Every ``JobResult`` the tier hands to vLLM's manager from now on (the tier's own method, observed)."""
+    results: list[Any] = []
+    tier_poll = instance.tier.get_finished_jobs
+
+    def observed() -> list[Any]:
+        got = list(tier_poll())
+        results.extend(got)
+        return got
+
+    instance.tier.get_finished_jobs = observed
+    return results
+
+
+def test_a_master_killed_mid_store_fails_the_job_through_vllms_result_and_announces_nothing(model_dir: str) -> None:
+    master = start_master()
+    a = TieredInstance(model_dir, tier_entry(master.address))
+    try:
+        results = reported(a)
+        keys = block_keys(PROMPT[:48])
+        staged = a.stage(keys)
+        os.kill(master.pid, signal.SIGSTOP)  # the master stops answering: the put's call waits on it
+        a.manager.complete_store(staged[1].keys_to_store, staged[0])
+        a.step()
+        assert a.manager.has_pending_work() and results == []  # the job's call is in flight
+        master.kill()  # and the master dies under it
+        a.close_request(staged[0])
+        a.settle()
+        assert [r.success for r in results] == [False]
+        assert a.events_of_tier() == [] and not a.manager.has_pending_work()
+    finally:
+        a.shutdown()
+        master.stop()
+
+
 def test_a_master_killed_before_the_promotion_fails_the_job_and_the_request_misses(model_dir: str) -> None:
     master = start_master()
     a = TieredInstance(model_dir, tier_entry(master.address))
     b = TieredInstance(model_dir, tier_entry(master.address))
     try:
+        results = reported(b)
         keys = block_keys(PROMPT[:48])
         a.store(keys)
         req = b.open_request()
@@ -63,8 +102,8 @@ def test_a_master_killed_before_the_promotion_fails_the_job_and_the_request_miss
         first = [b.manager.lookup(k, req) for k in keys]  # the manager starts the promotions
         assert set(first) <= {LookupResult.RETRY, LookupResult.HIT_PENDING}  # 0.27.1 RETRY, 0.33 HIT_PENDING
         master.kill()
-        results = b.until_answered(keys, req)  # the promotions' gets fail: vLLM's JobResult(success=False)
-        assert results == [LookupResult.MISS] * 3
+        answers = b.until_answered(keys, req)  # the promotions' gets fail: vLLM's JobResult(success=False)
+        assert answers == [LookupResult.MISS] * 3 and [r.success for r in results] == [False]
         assert not b.manager.has_pending_work()
         b.close_request(req)
         assert [b.manager.primary_tier.lookup(k, req) for k in keys] == [LookupResult.MISS] * 3
