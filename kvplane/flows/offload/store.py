@@ -315,10 +315,7 @@ class StoreTier:
 
     def check_put(self, write: StoreWrite) -> bool:
         """True once ``write`` is done (its pins may go); degrades when it runs past its deadline or failed."""
-        if not write.future.done():
-            if time.monotonic() > write.deadline:
-                self._degrade(f"a put of {write.nbytes} B did not finish in time")
-                write.deadline = float("inf")  # warn once per write
+        if self._running(write, "put"):
             return False
         error = write.future.exception()
         if error is not None:
@@ -333,11 +330,8 @@ class StoreTier:
     def get(
         self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
     ) -> tuple[list[bool], Future[list[int]] | None]:
-        """Get ``keys`` into host ranges, waiting at most the bound: per-key success, and the call's future.
-
-        When the call timed out its future is still running: the caller keeps the destination pinned until
-        it is done.
-        """
+        """Get ``keys`` into host ranges, waiting at most the bound: per-key success, and the call's future (still
+        running when the call timed out: the caller keeps the destination pinned until it is done)."""
         future = self.start_get(keys, addrs, sizes)
         if future is None:
             return [False] * len(keys), None
@@ -351,22 +345,27 @@ class StoreTier:
             return None
         k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
         get = partial(self._client.batch_get_into, k, a, s)
-        return self._gets.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]),
-                                 "batch_get_into")
+        return self._gets.submit(recorder().store_call("read", s, lambda: [int(rc) for rc in get()]), "batch_get_into")
 
     def check_get(self, read: StoreWrite, sizes: Sequence[int]) -> list[bool] | None:
         """Per-key success once the get ``read`` is done, None while it runs (its destination stays pinned);
         degrades when it runs past its deadline, raised, or the master did not answer."""
-        if not read.future.done():
-            if time.monotonic() > read.deadline:
-                self._degrade(f"a get of {read.nbytes} B did not finish in time")
-                read.deadline = float("inf")  # warn once per read
+        if self._running(read, "get"):
             return None
         error = read.future.exception()
         if error is not None:
             self._degrade(f"batch_get_into raised {error!r}")
             return [False] * len(sizes)
         return self._got(read.future.result(), sizes)
+
+    def _running(self, call: StoreWrite, what: str) -> bool:
+        """Whether ``call`` still runs; past its deadline that turns the tier off (one warning per call)."""
+        if call.future.done():
+            return False
+        if time.monotonic() > call.deadline:
+            self._degrade(f"a {what} of {call.nbytes} B did not finish in time")
+            call.deadline = float("inf")
+        return True
 
     def _got(self, got: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         ok = [rc == int(size) for rc, size in zip(got, sizes)]
