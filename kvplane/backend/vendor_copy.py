@@ -34,7 +34,6 @@ from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
 
 SIGNATURES = ("cuda", "acl", "cnrt", "cuda_batch12", "cuda_batch13", "plan")
-BATCHED = frozenset({"cuda_batch12", "cuda_batch13"})
 
 _native: ModuleType | None
 try:
@@ -60,10 +59,6 @@ class CopyFunction:
     def __post_init__(self) -> None:
         if self.signature not in SIGNATURES:
             raise BackendError(f"copy function signature={self.signature!r} is unknown; use one of {SIGNATURES}")
-
-    @property
-    def batched(self) -> bool:
-        return self.signature in BATCHED
 
     def describe(self) -> str:
         return f"{self.symbol} ({self.library})"

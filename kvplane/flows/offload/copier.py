@@ -57,18 +57,6 @@ class LayerCopier:
             host_ids, device_ids
         )
 
-    def save_plans(self, layers: Sequence[str], device_ids: Ids, host_ids: Ids) -> dict[str, CopyPlan]:
-        """D2H plans of ``layers`` (one KV-cache group) for these blocks, built all at once."""
-        return self._planner(self._save_planners, layers, self.device_regions, self.host_regions).plans(
-            device_ids, host_ids
-        )
-
-    def load_plans(self, layers: Sequence[str], host_ids: Ids, device_ids: Ids) -> dict[str, CopyPlan]:
-        """H2D plans of ``layers`` (one KV-cache group) for these blocks, built all at once."""
-        return self._planner(self._load_planners, layers, self.host_regions, self.device_regions).plans(
-            host_ids, device_ids
-        )
-
     def after_compute(self) -> Event | None:
         """An event after the compute enqueued so far (a layer's KV is written once it completes), or None when
         the compute stream has nothing left to run (the cpu backend's, always): no event to make or wait for."""

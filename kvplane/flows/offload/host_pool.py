@@ -60,10 +60,6 @@ class HostPool:
         """Bytes of host memory this pool holds (never more than the configured ``host_bytes``)."""
         return sum(int(b.numel()) for b in self.buffers.values())
 
-    def block_addr(self, group: int, block_id: int) -> int:
-        """Start of one host block: the whole block of its group is ``block_bytes[group]`` from here."""
-        return int(self.buffers[group].data_ptr()) + block_id * self.block_bytes[group]
-
     def block(self, group: int, block_id: int) -> torch.Tensor:
         """A view of one host block's bytes (tests and the bench compare it)."""
         n = self.block_bytes[group]
