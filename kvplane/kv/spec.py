@@ -140,10 +140,6 @@ class KVSpec(msgspec.Struct, frozen=True):
     def layer_names(self) -> list[str]:
         return [layer.name for layer in self.layers]
 
-    def layers_of(self, group_id: int) -> list[LayerSpec]:
-        self.group(group_id)
-        return [layer for layer in self.layers if layer.group_id == group_id]
-
     @property
     def bytes_per_token(self) -> int:
         return sum(layer.bytes_per_token for layer in self.layers)

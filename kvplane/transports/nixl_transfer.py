@@ -35,10 +35,6 @@ POLL_INTERVAL_S = 0.0002  # wait() sleeps this long between polls; NIXL's progre
 PERMANENT = ("nixlNotFoundError", "nixlInvalidParamError", "nixlRemoteDisconnectError")
 
 
-class _Permanent(Exception):
-    """A refusal that resubmitting cannot fix."""
-
-
 class NixlTransfer(ChunkedTransfer):
     engine = "NIXL"
 
