@@ -36,9 +36,15 @@ def put_and_check(tier: StoreTier, key: str, addr: int, size: int) -> list[int]:
 
 
 def fill(tier: StoreTier, name: str, addr: int, puts: int) -> list[int]:
-    """``puts`` puts of 1 MiB each; their return codes. The only segment in this master's cluster is 16 MiB, so
-    once 16 are in, the rest are refused (-200) but for the few the master's eviction makes room for."""
-    return [put_and_check(tier, f"store2/{name}/{i}", addr, MiB)[0] for i in range(puts)]
+    """``puts`` objects of 1 MiB in one batched put; their return codes. The only segment in this master's
+    cluster is 16 MiB, so once 16 are in, the rest are refused (-200). One batch, because the master's eviction
+    makes room between separate puts: on a loaded machine 40 puts one by one were all taken (a busy `make test`;
+    reproduced by sleeping 0.4 s between them), while one batch is allocated in one master call."""
+    future = tier.put([f"store2/{name}/{i}" for i in range(puts)], [addr] * puts, [MiB] * puts)
+    assert future is not None, "the store tier is down"
+    future.result(60.0)
+    assert tier.check_put(StoreWrite(future, float("inf"), 0, None, puts * MiB))
+    return future.result()
 
 
 def test_a_full_segment_logs_its_refusals_once_per_stretch_and_counts_them(
