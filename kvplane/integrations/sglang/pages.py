@@ -40,14 +40,6 @@ class PageSpans:
     def parts(self) -> int:
         return int(self.addrs.shape[1])
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.sizes.sum())
-
-    def take(self, pages: Any) -> PageSpans:
-        """The spans of the pages ``pages`` selects (a bool mask or indices)."""
-        return PageSpans(self.addrs[pages], self.sizes[pages])
-
 
 def index_problem(pool: HostPool, host_indices: Any, pages: int) -> str:
     """Why ``host_indices`` cannot hold ``pages`` pages of ``pool``, or "" when they can."""

@@ -58,7 +58,6 @@ class _Job:
     """A job whose store call has been started: reported once ``call`` is done."""
 
     keys: list[OffloadKey]
-    names: list[str]
     sizes: list[int]
     call: StoreWrite
     load: bool  # into the primary tier (a promotion), else out of it
@@ -149,7 +148,7 @@ class KVPlaneStoreTier(SecondaryTierManager):
             return
         deadline = self.store.put_deadline(nbytes, "get" if load else "put")
         call = StoreWrite(future, deadline, 0, slots, nbytes)
-        self._jobs[job.job_id] = _Job(keys, names, sizes, call, load, job.req_context.req_id)
+        self._jobs[job.job_id] = _Job(keys, sizes, call, load, job.req_context.req_id)
 
     def _fail(self, job: Any, keys: list[OffloadKey], load: bool) -> None:
         """A job that started no call: reported failed at the next poll; a load's keys miss for its request."""
