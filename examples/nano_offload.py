@@ -17,6 +17,7 @@ from kvplane.backend import get_backend
 from kvplane.blocks import block_hashes
 from kvplane.flows.offload import OffloadConfig, OffloadEngine
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 from kvplane.kv.spec import KVSpec
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, VOCAB, NUM_BLOCKS = 4, 2, 16, 16, 97, 32
@@ -66,7 +67,7 @@ def run(prompt_len: int = 70) -> dict[str, float]:
     backend = get_backend()
     spec = KVSpec.gqa(LAYERS, HEADS, HEAD_DIM, tokens_per_block=BLOCK, dtype="float32")
     caches = allocate_cache(spec, "kv_first", NUM_BLOCKS)
-    offload = OffloadEngine(backend, spec, caches, OffloadConfig(host_bytes=16 << 20), layouts="kv_first")
+    offload = OffloadEngine(bind(backend, spec, caches, "kv_first"), OffloadConfig(host_bytes=16 << 20))
     model = TinyDecoder(caches, offload)
     prompt = torch.randint(0, VOCAB, (prompt_len,)).tolist()
     hashes = block_hashes(prompt, BLOCK)

@@ -33,6 +33,7 @@ from kvplane.bench.timing import MIN_REPS, Samples
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
 
@@ -89,10 +90,8 @@ def _pair(backend: Backend, engine: str, mib: int) -> _Pair:
         t8 = t.view(torch.uint8)  # a permuted view (vLLM's logical shape): assign by broadcasting, not .view
         t8[:] = per_block.view(blocks, *([1] * (t8.dim() - 1)))
     tag = uuid.uuid4().hex[:6]
-    prefill = PrefillSide(backend, SPEC, p_cache, DisaggConfig(engine_id=f"calls-p-{tag}", **common),
-                          layouts="packed_kv")
-    decode = DecodeSide(backend, SPEC, d_cache, DisaggConfig(engine_id=f"calls-d-{tag}", **common),
-                        layouts="packed_kv")
+    prefill = PrefillSide(bind(backend, SPEC, p_cache, "packed_kv"), DisaggConfig(engine_id=f"calls-p-{tag}", **common))
+    decode = DecodeSide(bind(backend, SPEC, d_cache, "packed_kv"), DisaggConfig(engine_id=f"calls-d-{tag}", **common))
     return _Pair(prefill, decode, p_cache, d_cache, blocks)
 
 

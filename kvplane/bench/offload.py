@@ -42,6 +42,7 @@ from kvplane.bench.timing import MIN_REPS, interleave, timed
 from kvplane.blocks import block_hashes
 from kvplane.flows.offload import OffloadConfig, OffloadEngine, StoreConfig
 from kvplane.kv.binding import LayoutChoice, allocate_cache, slot_tensors
+from kvplane.kv.bound import bind
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
 
@@ -101,9 +102,8 @@ def build_rig(
         cache = cross_layer_cache(spec, layouts, total, lambda n: device[:n], "NHD")[1]
     else:
         cache = allocate_cache(spec, layouts, total, alloc=lambda n: device[:n], zero=False)
-    engine = OffloadEngine(
-        backend, spec, cache, OffloadConfig(host_blocks_factor * blocks * per_block, store), layouts=layouts
-    )
+    engine = OffloadEngine(bind(backend, spec, cache, layouts),
+                           OffloadConfig(host_blocks_factor * blocks * per_block, store))
     order = np.random.default_rng(tokens).permutation(total).astype(np.int64)
     nbytes = blocks * per_block
     flat_device, flat_host = backend.alloc_device(nbytes), backend.alloc_host(nbytes)

@@ -48,6 +48,7 @@ from kvplane.bench.timing import MIN_REPS, Samples, timed_cpu
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide, TransferParams
 from kvplane.kv.binding import LayoutChoice
+from kvplane.kv.bound import bind
 from kvplane.plan.planner import plan_transfer
 from kvplane.transports.base import Op, Transport
 from kvplane.transports.nixl import NixlTransport
@@ -92,10 +93,10 @@ def _sides(
         tag = uuid.uuid4().hex[:6]
         common: dict[str, Any] = {"transport": engine, "transfer_timeout_s": WAIT_S, "push_timeout_s": WAIT_S,
                                   "lease_s": WAIT_S, "port": 0}
-        prefill = PrefillSide(backend, spec, p_kv.cache, DisaggConfig(engine_id=f"bench-p-{tag}", **common),
-                              layouts=layout)
-        decode = DecodeSide(backend, spec, d_kv.cache, DisaggConfig(engine_id=f"bench-d-{tag}", **common),
-                            layouts=layout)
+        prefill = PrefillSide(bind(backend, spec, p_kv.cache, layout),
+                              DisaggConfig(engine_id=f"bench-p-{tag}", **common))
+        decode = DecodeSide(bind(backend, spec, d_kv.cache, layout),
+                            DisaggConfig(engine_id=f"bench-d-{tag}", **common))
         return Sides(prefill, decode, p_kv, d_kv)
 
     return _held.get((backend.label, engine, model, tokens, repr(layouts), cross_layer), build)

@@ -38,6 +38,7 @@ from kvplane.bench.timing import MIN_REPS, Samples, timed_cpu
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
 from kvplane.kv.binding import token_rows
+from kvplane.kv.bound import bind
 from kvplane.plan.planner import plan_transfer
 
 VENDORS = {"npu": 128, "cuda": 16}  # the backends whose cache facts the pairs take, and their engines' block sizes
@@ -68,10 +69,10 @@ def _pair(backend: Backend, prefill: str, decode: str, engine: str, model: str, 
     common: dict[str, Any] = {"transport": engine, "transfer_timeout_s": WAIT_S, "push_timeout_s": WAIT_S,
                               "lease_s": WAIT_S, "port": 0}
     staging = d_kv.buffer.numel() if prefill != decode else 0
-    side_p = PrefillSide(backend, p_kv.spec, p_kv.cache, DisaggConfig(engine_id=f"bench-vp-{tag}", **common),
-                         layouts=p_kv.layout)
-    side_d = DecodeSide(backend, d_kv.spec, d_kv.cache,
-                        DisaggConfig(engine_id=f"bench-vd-{tag}", staging_bytes=staging, **common), layouts=d_kv.layout)
+    side_p = PrefillSide(bind(backend, p_kv.spec, p_kv.cache, p_kv.layout),
+                         DisaggConfig(engine_id=f"bench-vp-{tag}", **common))
+    side_d = DecodeSide(bind(backend, d_kv.spec, d_kv.cache, d_kv.layout),
+                        DisaggConfig(engine_id=f"bench-vd-{tag}", staging_bytes=staging, **common))
     return Sides(side_p, side_d, p_kv, d_kv)
 
 

@@ -40,12 +40,13 @@ class Attacker:
             from kvplane.flows.disagg.wire.config import DisaggConfig
             from kvplane.flows.disagg.wire.local import LocalKV
             from kvplane.kv.binding import allocate_cache
+            from kvplane.kv.bound import bind
             from kvplane.kv.spec import KVSpec
 
             self.spec = msgspec.msgpack.decode(msg["spec"], type=KVSpec)
             self.cache = allocate_cache(self.spec, "packed_kv", msg["num_blocks"])
             fill(self.cache, msg["seed"])
-            self.local = LocalKV(get_backend("cpu"), self.spec, self.cache,
+            self.local = LocalKV(bind(get_backend("cpu"), self.spec, self.cache),
                                  DisaggConfig(msg["engine_id"], transport=msg["engine"]), "decode")
             return {}
         if cmd == "connect":

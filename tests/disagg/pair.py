@@ -22,6 +22,7 @@ from kvplane.backend import get_backend
 from kvplane.blocks.pool import BlockPool
 from kvplane.flows.disagg import Completion, DecodeSide, DisaggConfig, PrefillSide, TransferParams
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 from kvplane.kv.spec import KVSpec
 
 cpu = get_backend("cpu")
@@ -88,7 +89,7 @@ def make(role: str, spec: KVSpec, layout: str = "packed_kv", num_blocks: int = 6
         fill(cache, seed)
     settings = {"engine_id": f"{role}-{uuid.uuid4().hex[:6]}", "transport": engine, **FAST, **config}
     cls = PrefillSide if role == "prefill" else DecodeSide
-    side = cls(cpu, spec, cache, DisaggConfig(**settings), layouts=name)
+    side = cls(bind(cpu, spec, cache, name), DisaggConfig(**settings))
     return Engine(side, spec, cache, layout, BlockPool(num_blocks))
 
 

@@ -120,6 +120,7 @@ class Worker:
     def setup(self, msg: dict[str, Any]) -> dict[str, Any]:
         from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
         from kvplane.kv.binding import allocate_cache
+        from kvplane.kv.bound import bind
 
         if self.side is not None:
             self.side.close()
@@ -131,7 +132,7 @@ class Worker:
         self.model = TinyDecoder(shape, msg["layout"], cache)
         config = DisaggConfig(**msg["config"])
         cls = PrefillSide if msg["role"] == "prefill" else DecodeSide
-        self.side = cls(backend_for(device), shape.spec(), cache, config, layouts=name)
+        self.side = cls(bind(backend_for(device), shape.spec(), cache, name), config)
         self.spec, self.layout, self.cache = shape.spec(), msg["layout"], cache
         self.completions = {}
         port = getattr(self.side, "port", 0)
@@ -141,6 +142,7 @@ class Worker:
         """A side on a bare cache filled with a seeded pattern (no model): bulk and failure tests."""
         from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
         from kvplane.kv.binding import allocate_cache
+        from kvplane.kv.bound import bind
         from kvplane.kv.spec import KVSpec
 
         if self.side is not None:
@@ -152,7 +154,7 @@ class Worker:
         fill(self.cache, msg["seed"])
         config = DisaggConfig(**msg["config"])
         cls = PrefillSide if msg["role"] == "prefill" else DecodeSide
-        self.side = cls(self.backend, self.spec, self.cache, config, layouts=name)
+        self.side = cls(bind(self.backend, self.spec, self.cache, name), config)
         self.model, self.completions = None, {}
         port = getattr(self.side, "port", 0)
         return {"port": port, "base_port": port - config.rank if port else 0}

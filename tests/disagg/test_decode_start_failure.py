@@ -14,6 +14,7 @@ from kvplane.flows.disagg import DecodeSide, DisaggConfig
 from kvplane.flows.disagg.decode import decode_side as decode_module
 from kvplane.flows.disagg.wire.errors import DisaggConfigError
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 
 
 def recorded(monkeypatch: pytest.MonkeyPatch, name: str, fails: bool = False) -> list[Any]:
@@ -38,7 +39,7 @@ def test_a_decode_side_refusing_its_curve_keys_closes_its_local_kv_and_loop(monk
     config = DisaggConfig(engine_id="decode-bad-key", transport="mooncake")
     monkeypatch.setenv("KVPLANE_CURVE_SECRET_KEY", "not-a-key")  # set after the config checked it; read again at start
     with pytest.raises(DisaggConfigError, match="CURVE"):
-        DecodeSide(cpu, spec, allocate_cache(spec, "packed_kv", 8), config, layouts="packed_kv")
+        DecodeSide(bind(cpu, spec, allocate_cache(spec, "packed_kv", 8), "packed_kv"), config)
     assert len(built) == 1 and built[0].closes == 1, "the LocalKV built before the keys were refused was not closed"
     assert len(loops) == 1 and loops[0].context.closed, "the I/O loop's ZMQ context was left open"
 
@@ -58,7 +59,7 @@ def test_a_decode_side_whose_parts_fail_to_build_gives_back_what_it_built(
     spec = small_spec()
     config = DisaggConfig(engine_id=f"decode-no-{failing.lower()}", transport="mooncake")
     with pytest.raises(RuntimeError, match=f"planted failure building the {failing}"):
-        DecodeSide(cpu, spec, allocate_cache(spec, "packed_kv", 8), config, layouts="packed_kv")
+        DecodeSide(bind(cpu, spec, allocate_cache(spec, "packed_kv", 8), "packed_kv"), config)
     assert len(built) == 1 and built[0].closes == 1, "the LocalKV was not closed"
     assert len(loops) == 1 and loops[0].context.closed, "the I/O loop's ZMQ context was left open"
     assert all(not m._thread.is_alive() for m in movers), "the transfer thread was left running"

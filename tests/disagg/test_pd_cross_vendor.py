@@ -25,6 +25,7 @@ from vendors import ALIGN, ascend_cache, backend_for
 from kvplane.blocks.pool import BlockPool
 from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 from kvplane.kv.spec import KVSpec
 from kvplane.testing.emulated import uninstall_emulated
 
@@ -63,11 +64,11 @@ def test_sides_whose_mooncake_protocols_share_nothing_fail_at_the_handshake_nami
     npu, cuda = backend_for("npu-emulated"), backend_for("cuda-emulated")
     settings = {"transport": "mooncake", "handshake_timeout_s": 30.0, "transfer_timeout_s": 30.0,
                 "lease_s": 5.0, "heartbeat_s": 1.0}
-    prefill = PrefillSide(npu, spec, ascend_cache(spec, "split_kv", 8),
-                          DisaggConfig(engine_id=f"p-{uuid.uuid4().hex[:6]}", **settings), layouts="split_kv")
+    prefill = PrefillSide(bind(npu, spec, ascend_cache(spec, "split_kv", 8), "split_kv"),
+                          DisaggConfig(engine_id=f"p-{uuid.uuid4().hex[:6]}", **settings))
     cache = allocate_cache(decode_spec, "packed_kv", 64)
-    decode = Engine(DecodeSide(cuda, decode_spec, cache, DisaggConfig(engine_id="d", **settings),
-                               layouts="packed_kv"), decode_spec, cache, "packed_kv", BlockPool(64))
+    decode = Engine(DecodeSide(bind(cuda, decode_spec, cache, "packed_kv"), DisaggConfig(engine_id="d", **settings)),
+                    decode_spec, cache, "packed_kv", BlockPool(64))
     try:
         params = prefill.request_finished("r1", {0: [3]}, 100)
         decode.side.start_pull("r1", params, {0: decode.allocate(100)}, 100)
@@ -95,8 +96,7 @@ def test_the_npu_rank_registers_its_separate_allocations_under_the_ascend_rules(
     npu = backend_for("npu-emulated")
     spec = KVSpec.mla(2, kv_lora_rank=16, rope_dim=4, tokens_per_block=128, dtype="float32")
     cache = ascend_cache(spec, "mla_split", 8)
-    side = PrefillSide(npu, spec, cache, DisaggConfig(engine_id="p-regions", transport="mooncake"),
-                       layouts="mla_split")
+    side = PrefillSide(bind(npu, spec, cache, "mla_split"), DisaggConfig(engine_id="p-regions", transport="mooncake"))
     try:
         spans = side.local.transport.peer_info().spans
     finally:

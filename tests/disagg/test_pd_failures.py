@@ -28,6 +28,7 @@ from kvplane.flows.disagg.wire import messages
 from kvplane.flows.disagg.wire.config import DisaggConfig
 from kvplane.flows.disagg.wire.local import LocalKV
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 from kvplane.kv.spec import KVSpec
 
 pytestmark = pytest.mark.integration
@@ -170,7 +171,7 @@ def test_heartbeats_renew_the_lease_until_they_stop() -> None:
     prefill = make("prefill", small_spec(), lease_s=0.4, heartbeat_s=0.1)
     context = zmq.Context()
     sock = raw_decode_socket(prefill, context)
-    decode_kv = LocalKV(prefill.side.backend, small_spec(), allocate_cache(small_spec(), "packed_kv", 8),
+    decode_kv = LocalKV(bind(prefill.side.backend, small_spec(), allocate_cache(small_spec(), "packed_kv", 8)),
                         DisaggConfig("raw-decode", transport="mooncake"), "decode")
     try:
         sock.send(messages.encode(decode_kv.handshake()))  # heartbeats count only from a handshaken decode
@@ -226,7 +227,7 @@ def test_malformed_oversized_and_unknown_messages_are_dropped_and_the_listener_k
     prefill = make("prefill", small_spec(), max_message_bytes=64 * 1024)
     context = zmq.Context()
     sock = raw_decode_socket(prefill, context)
-    decode_kv = LocalKV(prefill.side.backend, small_spec(), allocate_cache(small_spec(), "packed_kv", 8),
+    decode_kv = LocalKV(bind(prefill.side.backend, small_spec(), allocate_cache(small_spec(), "packed_kv", 8)),
                         DisaggConfig("raw-decode", transport="mooncake"), "decode")
     try:
         big = raw_decode_socket(prefill, context)  # libzmq drops the connection of an oversized frame

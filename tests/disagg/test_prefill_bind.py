@@ -12,6 +12,7 @@ from pair import cpu, small_spec, watched_local_kv
 from kvplane.flows.disagg import DisaggConfig, PrefillSide
 from kvplane.flows.disagg.prefill import prefill_side as prefill_module
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 
 
 def test_a_prefill_side_whose_port_is_taken_closes_its_local_kv(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,7 +26,7 @@ def test_a_prefill_side_whose_port_is_taken_closes_its_local_kv(monkeypatch: pyt
     try:
         config = DisaggConfig(engine_id="prefill-taken", transport="mooncake", port=port)
         with pytest.raises(zmq.ZMQError):
-            PrefillSide(cpu, spec, allocate_cache(spec, "packed_kv", 8), config, layouts="packed_kv")
+            PrefillSide(bind(cpu, spec, allocate_cache(spec, "packed_kv", 8), "packed_kv"), config)
     finally:
         taken.close(linger=0)
         context.term()
@@ -60,7 +61,7 @@ def test_a_prefill_side_whose_parts_fail_to_build_gives_back_what_it_built(
     spec = small_spec()
     config = DisaggConfig(engine_id=f"prefill-no-{failing.lower()}", transport="mooncake")
     with pytest.raises(RuntimeError, match="planted failure"):
-        PrefillSide(cpu, spec, allocate_cache(spec, "packed_kv", 8), config, layouts="packed_kv")
+        PrefillSide(bind(cpu, spec, allocate_cache(spec, "packed_kv", 8), "packed_kv"), config)
     assert len(built) == 1 and built[0].closes == 1, "the LocalKV was not closed"
     assert len(loops) == 1 and loops[0].context.closed, "the I/O loop's ZMQ context was left open"
     assert all(not m._thread.is_alive() for m in movers), "the transfer thread was left running"

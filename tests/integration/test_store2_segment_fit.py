@@ -19,6 +19,7 @@ from kvplane.flows.offload import (
 )
 from kvplane.flows.offload.store import StoreTier
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 from kvplane.kv.spec import KVSpec
 
 pytestmark = pytest.mark.integration
@@ -36,8 +37,8 @@ def big_block_spec(groups: int) -> KVSpec:
 def engine(spec: KVSpec, store: StoreConfig | None, tier: StoreTier | None = None) -> OffloadEngine:
     backend = CpuBackend(copy_threads=1)
     cache = allocate_cache(spec, backend.layouts, 2)
-    return OffloadEngine(backend, spec, cache, OffloadConfig(host_bytes=20 * MiB, store=store, pinned=False),
-                         layouts=backend.layouts, store_tier=tier)
+    return OffloadEngine(bind(backend, spec, cache), OffloadConfig(host_bytes=20 * MiB, store=store, pinned=False),
+                         store_tier=tier)
 
 
 @pytest.mark.parametrize("groups", [1, 2], ids=["one-group", "hybrid"])

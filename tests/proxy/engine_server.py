@@ -38,6 +38,7 @@ from kvplane.backend import get_backend
 from kvplane.blocks.pool import BlockPool
 from kvplane.flows.disagg import DecodeSide, DisaggConfig, PrefillSide
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 
 LAYOUT, NUM_BLOCKS, BLOCK = "packed_kv", 64, 16
 FAST = {"lease_s": 10.0, "heartbeat_s": 0.5, "transfer_timeout_s": 20.0, "handshake_timeout_s": 5.0,
@@ -66,7 +67,7 @@ class Engine:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         config = DisaggConfig(engine_id=engine_id, mode=mode, transport=transport, **FAST)  # type: ignore[arg-type]
         cls = PrefillSide if role == "prefill" else DecodeSide
-        self.side: Any = cls(get_backend("cpu"), self.shape.spec(), self.cache, config, layouts=LAYOUT) \
+        self.side: Any = cls(bind(get_backend("cpu"), self.shape.spec(), self.cache, LAYOUT), config) \
             if role in ("prefill", "decode") else None
         self.waiting: dict[str, asyncio.Future[Any]] = {}
         self.held: dict[str, list[int]] = {}  # prefill: blocks until the side reports the request

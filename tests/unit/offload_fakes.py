@@ -19,6 +19,7 @@ from kvplane.descriptors import CopyPlan
 from kvplane.flows.offload import OffloadConfig, OffloadEngine, StoreConfig
 from kvplane.flows.offload.store import StoreTier
 from kvplane.kv.binding import allocate_cache, slot_tensors
+from kvplane.kv.bound import bind
 from kvplane.kv.layouts import LayerValue
 from kvplane.kv.spec import KVSpec
 
@@ -178,10 +179,8 @@ class Harness:
         self.cache: dict[str, LayerValue] = allocate_cache(spec, self.layouts, device_blocks)
         self.slots = slot_tensors(spec, self.cache, self.layouts)
         per_block = sum(st.tensor[0].numel() * st.tensor.element_size() for st in self.slots)
-        self.engine = OffloadEngine(
-            self.backend, spec, self.cache, OffloadConfig(host_bytes=host_blocks * per_block),
-            layouts=self.layouts, store_tier=store_tier,
-        )
+        self.engine = OffloadEngine(bind(self.backend, spec, self.cache, self.layouts),
+                                    OffloadConfig(host_bytes=host_blocks * per_block), store_tier=store_tier)
 
     def slot_bytes(self, slot: int) -> torch.Tensor:
         """Slot ``slot``'s tensor viewed as ``(blocks, bytes per block)``."""

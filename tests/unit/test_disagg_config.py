@@ -18,6 +18,7 @@ from kvplane.flows.disagg import DisaggConfig, PrefillSide, TransferParams
 from kvplane.flows.disagg.wire.errors import DisaggConfigError
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 from kvplane.kv.spec import KVSpec
 from kvplane.transports import options
 
@@ -126,7 +127,7 @@ def test_a_prefill_rank_binds_the_bind_address_and_advertises_the_host() -> None
     cache = allocate_cache(spec, "packed_kv", 4)
     port = free_port()
     config = DisaggConfig(engine_id="p", host="127.0.0.2", bind_host="127.0.0.1", port=port, protocol="tcp")
-    with PrefillSide(get_backend("cpu"), spec, cache, config, layouts="packed_kv") as side:
+    with PrefillSide(bind(get_backend("cpu"), spec, cache, "packed_kv"), config) as side:
         params = side.request_finished("r1", {0: np.array([1])}, 16)
         assert (params.remote_host, params.remote_port) == ("127.0.0.2", port)
         with socket.create_connection(("127.0.0.1", port), timeout=5):

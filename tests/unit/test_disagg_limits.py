@@ -23,6 +23,7 @@ from kvplane.flows.disagg.wire.errors import TransferParamsError
 from kvplane.flows.disagg.wire.limits import PerPeer, RateLimit
 from kvplane.flows.disagg.wire.tokens import is_token, new_token, same_token
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 from kvplane.kv.spec import KVSpec
 from kvplane.transports.batching import check_plan
 
@@ -32,7 +33,7 @@ TWO_GROUPS = KVSpec.gqa(2, 2, 8, dtype="float32", tokens_per_block=16, layer_gro
 
 def test_request_finished_with_one_group_of_two_is_refused_at_the_call_before_any_hold() -> None:
     cache = allocate_cache(TWO_GROUPS, "packed_kv", 8)
-    with PrefillSide(get_backend("cpu"), TWO_GROUPS, cache, DisaggConfig(engine_id="p"), layouts="packed_kv") as side:
+    with PrefillSide(bind(get_backend("cpu"), TWO_GROUPS, cache, "packed_kv"), DisaggConfig(engine_id="p")) as side:
         with pytest.raises(DisaggError, match=r"missing \[1\]"):
             side.request_finished("r", {0: [1, 2]}, 20)
         assert side.held_requests() == 0 and side.get_finished() == []
@@ -42,7 +43,7 @@ def test_request_finished_with_one_group_of_two_is_refused_at_the_call_before_an
 
 def test_block_ids_beyond_the_cache_are_refused_at_the_call() -> None:
     cache = allocate_cache(TWO_GROUPS, "packed_kv", 8)
-    with PrefillSide(get_backend("cpu"), TWO_GROUPS, cache, DisaggConfig(engine_id="p"), layouts="packed_kv") as side:
+    with PrefillSide(bind(get_backend("cpu"), TWO_GROUPS, cache, "packed_kv"), DisaggConfig(engine_id="p")) as side:
         with pytest.raises(DisaggError, match=r"must lie in 0..7"):
             side.request_finished("r", {0: [1, 8], 1: [3]}, 20)
 
@@ -50,7 +51,7 @@ def test_block_ids_beyond_the_cache_are_refused_at_the_call() -> None:
 def test_a_push_prefill_without_the_proxys_token_is_refused_naming_the_fix() -> None:
     cache = allocate_cache(TWO_GROUPS, "packed_kv", 8)
     config = DisaggConfig(engine_id="p", mode="push")
-    with PrefillSide(get_backend("cpu"), TWO_GROUPS, cache, config, layouts="packed_kv") as side:
+    with PrefillSide(bind(get_backend("cpu"), TWO_GROUPS, cache, "packed_kv"), config) as side:
         with pytest.raises(DisaggError, match="for_push"):
             side.request_finished("r", {0: [1, 2], 1: [3]}, 20)
 
@@ -95,8 +96,7 @@ def test_destination_block_ids_given_twice_are_refused() -> None:
 
     spec = KVSpec.gqa(2, 2, 8, dtype="float32", tokens_per_block=16)
     cache = allocate_cache(spec, "packed_kv", 8)
-    with DecodeSide(get_backend("cpu"), spec, cache, DisaggConfig(engine_id="d", mode="push"),
-                    layouts="packed_kv") as side:
+    with DecodeSide(bind(get_backend("cpu"), spec, cache, "packed_kv"), DisaggConfig(engine_id="d", mode="push")) as side:
         with pytest.raises(DisaggError, match="appears twice"):
             side.register_push("r", TransferParams.for_push("p", "r", "127.0.0.1", 5600), [3, 3], 20)
         with pytest.raises(DisaggError, match="kvplane_token"):

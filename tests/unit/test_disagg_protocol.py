@@ -24,6 +24,7 @@ from kvplane.flows.disagg.wire import messages
 from kvplane.flows.disagg.wire.errors import DisaggError
 from kvplane.flows.disagg.wire.staging import StagingArena
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 from kvplane.kv.spec import KVSpec
 
 ALL = [
@@ -156,5 +157,4 @@ def test_a_tp_prefill_without_a_base_port_is_refused_before_binding() -> None:
     spec = KVSpec.gqa(2, 4, 32, tokens_per_block=16, dtype="float32")
     cache = allocate_cache(spec, "packed_kv", 4)
     with pytest.raises(DisaggConfigError, match=r"port=0 with tp_size=2.*fixed base port"):
-        PrefillSide(get_backend("cpu"), spec, cache, DisaggConfig(engine_id="p", rank=1, tp_size=2),
-                    layouts="packed_kv")
+        PrefillSide(bind(get_backend("cpu"), spec, cache, "packed_kv"), DisaggConfig(engine_id="p", rank=1, tp_size=2))

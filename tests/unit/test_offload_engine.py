@@ -16,6 +16,7 @@ from kvplane.blocks import block_hashes
 from kvplane.errors import BlockError
 from kvplane.flows.offload import OffloadConfig, OffloadConfigError, OffloadEngine, OffloadError
 from kvplane.kv.binding import allocate_cache
+from kvplane.kv.bound import bind
 from kvplane.kv.spec import KVSpec
 
 JOIN_S = 10.0  # a hook that should return does so at once; this only turns a hang into a failure
@@ -67,7 +68,7 @@ def test_the_host_pool_never_takes_more_memory_than_configured() -> None:
     spec = small_spec()
     cache = allocate_cache(spec, backend.layouts, 8)
     per_block = spec.bytes_per_token * 2
-    engine = OffloadEngine(backend, spec, cache, OffloadConfig(host_bytes=5 * per_block - 1))
+    engine = OffloadEngine(bind(backend, spec, cache), OffloadConfig(host_bytes=5 * per_block - 1))
     assert engine.pool.num_blocks == 4
     assert backend.host_bytes == engine.pool.nbytes <= 5 * per_block - 1
 
@@ -76,7 +77,7 @@ def test_a_host_budget_below_one_block_is_an_error_naming_the_field_and_the_mini
     spec = small_spec()
     cache = allocate_cache(spec, "packed_kv", 4)
     with pytest.raises(OffloadConfigError, match=r"host_bytes=100 .*host_bytes >= 384"):
-        OffloadEngine(GatedCpu(), spec, cache, OffloadConfig(host_bytes=100))
+        OffloadEngine(bind(GatedCpu(), spec, cache), OffloadConfig(host_bytes=100))
 
 
 def test_the_least_recently_used_prefix_is_evicted_first_and_a_stored_block_is_touched() -> None:

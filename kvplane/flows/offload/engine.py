@@ -22,10 +22,9 @@ from three mixins over the same state: ``engine_lookup.py`` (lookups and store p
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
 
-from kvplane.backend.base import Backend, Event
+from kvplane.backend.base import Event
 from kvplane.descriptors import CopyPlan, Region
 from kvplane.flows.offload.config import OffloadConfig
 from kvplane.flows.offload.copier import LayerCopier
@@ -38,9 +37,7 @@ from kvplane.flows.offload.keys import fingerprint
 from kvplane.flows.offload.presence import LookupAnswers
 from kvplane.flows.offload.spill import StoreLink, check_fits
 from kvplane.flows.offload.store import StoreTier
-from kvplane.kv.binding import LayoutChoice, regions_from_tensors
-from kvplane.kv.layouts import LayerValue
-from kvplane.kv.spec import KVSpec
+from kvplane.kv.bound import BoundKV
 from kvplane.metrics.watch import record_offload, watch_offload
 
 __all__ = ["SAVE_TASKS", "LoadRequest", "OffloadEngine"]
@@ -49,21 +46,10 @@ SAVE_TASKS = 8  # see OffloadEngine._save_batch
 
 
 class OffloadEngine(EngineSaves, EngineLoads):
-    def __init__(
-        self,
-        backend: Backend,
-        spec: KVSpec,
-        kv_caches: Mapping[str, LayerValue],
-        config: OffloadConfig,
-        *,
-        layouts: LayoutChoice | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        store_tier: StoreTier | None = None,
-    ) -> None:
-        self.backend, self.spec, self.config = backend, spec, config
-        self._kv_caches = kv_caches  # borrowed: the regions point into these tensors
-        regions = regions_from_tensors(spec, kv_caches, layouts if layouts is not None else backend.layouts)
+    def __init__(self, kv: BoundKV, config: OffloadConfig, *, tp_rank: int = 0, tp_size: int = 1,
+                 store_tier: StoreTier | None = None) -> None:
+        backend, spec, regions = kv.backend, kv.spec, kv.regions
+        self.kv, self.backend, self.spec, self.config = kv, backend, spec, config
         self.pool = HostPool(backend, regions, config.host_bytes, config.pinned)
         self.index = HostIndex(self.pool.block_bytes, self.pool.num_blocks)
         by_layer: dict[str, list[Region]] = {}

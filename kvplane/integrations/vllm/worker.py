@@ -27,7 +27,8 @@ from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Send
 from kvplane.integrations.vllm.receives import decline, finished_receives, skipping_groups, start_receives
 from kvplane.integrations.vllm.spec import layouts_for, spec_from_vllm
 from kvplane.integrations.vllm.worker_book import WorkerBook
-from kvplane.kv.binding import LayoutChoice, check_whole_allocations, matching_layouts, regions_from_tensors
+from kvplane.kv.binding import LayoutChoice, check_whole_allocations, matching_layouts
+from kvplane.kv.bound import bind
 from kvplane.kv.layouts import LayerValue, Layout
 from kvplane.kv.spec import KVSpec
 
@@ -79,10 +80,9 @@ class WorkerSide:
         layouts = self.layouts = layouts_for({**backend.layouts, **read}, self.config.layouts)
         if whole:
             check_whole_allocations(kv_caches, slack=backend.registration_alignment)
-        regions_from_tensors(self.spec, kv_caches, layouts)  # every LayoutError before any flow registers memory
+        kv = bind(backend, self.spec, kv_caches, layouts)  # every LayoutError before any flow registers memory
         if self.config.offload is not None:
-            self.offload = OffloadEngine(backend, self.spec, kv_caches, self.config.offload, layouts=layouts,
-                                         tp_rank=self.tp_rank, tp_size=self.config.tp_size)
+            self.offload = OffloadEngine(kv, self.config.offload, tp_rank=self.tp_rank, tp_size=self.config.tp_size)
             if self.tp_rank == 0:
                 self.holds = LookupHolds(self.offload)
                 self.lookup_server = LookupServer(
@@ -90,11 +90,9 @@ class WorkerSide:
                     self.offload.store_presence,
                 )
         if self.config.is_prefill:
-            self.prefill = PrefillSide(backend, self.spec, kv_caches, self.config.disagg_for(self.tp_rank),
-                                       layouts=layouts)
+            self.prefill = PrefillSide(kv, self.config.disagg_for(self.tp_rank))
         if self.config.is_decode:
-            self.decode = DecodeSide(backend, self.spec, kv_caches, self.config.disagg_for(self.tp_rank),
-                                     layouts=layouts)
+            self.decode = DecodeSide(kv, self.config.disagg_for(self.tp_rank))
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any, cache_dtype: str = "auto") -> None:
         """vLLM's one tensor for every layer (``prefer_cross_layer_blocks``): per-layer views of it, registered

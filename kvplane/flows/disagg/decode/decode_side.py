@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 
-from kvplane.backend.base import Backend
 from kvplane.blocks.groups import PerGroup
 from kvplane.flows.disagg.decode.declines import PendingDeclines
 from kvplane.flows.disagg.decode.decode_kit import DecodeKit
@@ -64,9 +63,7 @@ from kvplane.flows.disagg.wire.params import TransferParams
 from kvplane.flows.disagg.wire.peers import Prober
 from kvplane.flows.disagg.wire.published import Published
 from kvplane.flows.disagg.wire.results import Completion
-from kvplane.kv.binding import LayoutChoice
-from kvplane.kv.layouts import LayerValue
-from kvplane.kv.spec import KVSpec
+from kvplane.kv.bound import BoundKV
 from kvplane.metrics.watch import watch_side
 
 __all__ = ["DecodeSide"]
@@ -74,18 +71,9 @@ logger = logging.getLogger("kvplane.disagg")
 
 
 class DecodeSide(DecodeShell):
-    def __init__(
-        self,
-        backend: Backend,
-        spec: KVSpec,
-        kv_caches: Mapping[str, LayerValue],
-        config: DisaggConfig,
-        *,
-        layouts: LayoutChoice | None = None,
-    ) -> None:
-        self.backend, self.spec, self.config = backend, spec, config
-        self.kv_caches = kv_caches
-        self.local = LocalKV(backend, spec, kv_caches, config, "decode", layouts, config.staging_bytes)
+    def __init__(self, kv: BoundKV, config: DisaggConfig) -> None:
+        self.backend, self.spec, self.config = kv.backend, kv.spec, config
+        self.local = LocalKV(kv, config, "decode", config.staging_bytes)
         self.counters = channel.Counters()
         self._conns: dict[tuple[str, int], Conn] = {}
         self._wants: dict[str, Want] = {}

@@ -26,12 +26,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from contextlib import ExitStack
 
 import zmq
 
-from kvplane.backend.base import Backend, Event
+from kvplane.backend.base import Event
 from kvplane.blocks.groups import Ids, PerGroup
 from kvplane.flows.disagg.prefill.admission import Admission
 from kvplane.flows.disagg.prefill.held_request import (
@@ -70,9 +69,7 @@ from kvplane.flows.disagg.wire.results import Completion
 from kvplane.flows.disagg.wire.routes import layers_by_source
 from kvplane.flows.disagg.wire.side import SideLifecycle
 from kvplane.flows.disagg.wire.tokens import request_token, same_token
-from kvplane.kv.binding import LayoutChoice
-from kvplane.kv.layouts import LayerValue
-from kvplane.kv.spec import KVSpec
+from kvplane.kv.bound import BoundKV
 from kvplane.metrics import recorder
 from kvplane.metrics.watch import watch_side
 
@@ -81,22 +78,14 @@ REMEMBERED = 10_000  # released request ids kept to answer late messages about t
 
 
 class PrefillSide(SideLifecycle):
-    def __init__(
-        self,
-        backend: Backend,
-        spec: KVSpec,
-        kv_caches: Mapping[str, LayerValue],
-        config: DisaggConfig,
-        *,
-        layouts: LayoutChoice | None = None,
-    ) -> None:
+    def __init__(self, kv: BoundKV, config: DisaggConfig) -> None:
         if config.tp_size > 1 and not config.port:
             raise DisaggConfigError(
                 f"DisaggConfig.port=0 with tp_size={config.tp_size}: decode finds prefill rank r at port + r, so a "
                 f"TP prefill needs a fixed base port (e.g. port=5600: rank 0 on 5600, rank 1 on 5601)"
             )
-        self.backend, self.spec, self.config = backend, spec, config
-        self.local = LocalKV(backend, spec, kv_caches, config, "prefill", layouts)
+        self.backend, self.spec, self.config = kv.backend, kv.spec, config
+        self.local = LocalKV(kv, config, "prefill")
         self.counters = channel.Counters()
         self._warnings = RateLimit()  # log lines; replies have budgets of their own (limits.py)
         self._replies = PerPeer()  # Problem replies no token vouches for, per decode connection

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvplane.backend.base import Backend
 from kvplane.blocks.groups import Ids, PerGroup, per_group, table_problem
 from kvplane.descriptors import Region, SlotPart
 from kvplane.errors import KvplaneError
@@ -21,10 +20,8 @@ from kvplane.flows.disagg.wire.config import DisaggConfig
 from kvplane.flows.disagg.wire.errors import DisaggError
 from kvplane.flows.disagg.wire.messages import Handshake
 from kvplane.flows.disagg.wire.staging import StagingArena
-from kvplane.kv.binding import LayoutChoice, layouts_by_family, regions_from_tensors
-from kvplane.kv.layouts import LayerValue, Layout
+from kvplane.kv.bound import BoundKV
 from kvplane.kv.manifest import Manifest
-from kvplane.kv.spec import KVSpec
 from kvplane.transports.base import Transport, TransportConfig
 from kvplane.transports.registry import get_transport_class
 
@@ -38,28 +35,18 @@ def _staging_region(addr: int, nbytes: int) -> Region:
 
 
 class LocalKV:
-    def __init__(
-        self,
-        backend: Backend,
-        spec: KVSpec,
-        kv_caches: Mapping[str, LayerValue],
-        config: DisaggConfig,
-        role: str,
-        layouts: LayoutChoice | None = None,
-        staging_bytes: int = 0,
-    ) -> None:
-        self.backend, self.spec, self.config, self.role = backend, spec, config, role
-        self.kv_caches = kv_caches
-        self.layouts: dict[str, Layout] = layouts_by_family(layouts if layouts is not None else backend.layouts)
-        self.regions = regions_from_tensors(spec, kv_caches, self.layouts)
+    def __init__(self, kv: BoundKV, config: DisaggConfig, role: str, staging_bytes: int = 0) -> None:
+        backend, spec = kv.backend, kv.spec
+        self.kv, self.backend, self.spec, self.config, self.role = kv, backend, spec, config, role
+        self.kv_caches, self.layouts = kv.caches, kv.layouts
         self.manifest = Manifest(
             config.engine_id, config.rank, config.tp_size, backend.label, spec,
-            {family: layout.name for family, layout in self.layouts.items()}, tuple(self.regions),
+            {family: layout.name for family, layout in self.layouts.items()}, kv.regions,
         )
         self.boot_id = config.boot_id or uuid.uuid4().hex
         self.group_ids = [g.group_id for g in spec.groups]
         self.staging: torch.Tensor | None = None
-        to_register = list(self.regions)
+        to_register = list(kv.regions)
         if staging_bytes:
             align = max(backend.registration_alignment, 64)
             padded = -(-staging_bytes // align) * align
