@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvplane.flows.disagg.prefill import ownership
+from kvplane.flows.disagg.prefill.held_phases import Phase
 from kvplane.flows.disagg.prefill.held_record import Held
 from kvplane.flows.disagg.prefill.push_target import Target, TargetPhase
 from kvplane.flows.disagg.wire.messages import PushRegister
@@ -82,6 +83,7 @@ class Ownership(RuleBasedStateMachine):
     def hand_over(self) -> None:
         if self.held.known:
             return
+        self.held.phase = Phase.COMPUTING  # the machine leaves EARLY, then judges the early word
         refused = ownership.hand_over(self.held, self.token)
         assert all(t.register.engine_id == ATTACKER for t in refused)
 

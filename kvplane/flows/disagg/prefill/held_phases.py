@@ -26,12 +26,10 @@ TERMINAL = frozenset({Phase.RELEASED, Phase.DROPPED})
 TRANSITIONS: frozenset[tuple[Phase, str, Phase]] = frozenset({
     (Phase.EARLY, "start", Phase.COMPUTING),
     (Phase.EARLY, "finish", Phase.HELD),
-    (Phase.EARLY, "finish", Phase.RELEASED),
     (Phase.EARLY, "tick", Phase.DROPPED),
     (Phase.COMPUTING, "finish", Phase.HELD),
-    (Phase.COMPUTING, "finish", Phase.RELEASED),
     (Phase.COMPUTING, "abort", Phase.ABORTED),
-    (Phase.COMPUTING, "abort", Phase.RELEASED),
+    (Phase.ABORTED, "abort", Phase.RELEASED),
     (Phase.ABORTED, "write_ended", Phase.RELEASED),
     (Phase.HELD, "finish", Phase.RELEASED),
     (Phase.HELD, "read_done", Phase.RELEASED),

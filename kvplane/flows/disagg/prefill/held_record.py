@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvplane.blocks.groups import Ids
+from kvplane.flows.disagg.prefill.held_phases import Phase
 from kvplane.flows.disagg.prefill.push_target import Target
 
 
@@ -27,10 +28,7 @@ class Held:
     token: str = ""
     owner: str = ""
     early_reads: dict[tuple[str, int], tuple[bool, int, str]] = field(default_factory=dict)  # ok, tp, token
-    known: bool = False  # the engine handed it over (start_request or request_finished)
-    finished: bool = False
-    aborted: bool = False
-    deadline: float = float("inf")
+    phase: Phase = Phase.EARLY  # moved only by HeldRequest, through its transition table
     readers: dict[tuple[str, int], bool] = field(default_factory=dict)
     reader_tp: int = 0
     targets: dict[tuple[str, int], Target] = field(default_factory=dict)
@@ -38,3 +36,8 @@ class Held:
     saved: set[str] = field(default_factory=set)
     declined: str = ""  # why a decode rank gave the push up before registering it (its Cancel): release now
     early_declines: dict[tuple[str, int], str] = field(default_factory=dict)  # such Cancels before hand-over: token
+
+    @property
+    def known(self) -> bool:
+        """The engine handed the request over (``start_request`` or ``request_finished``)."""
+        return self.phase is not Phase.EARLY and self.phase is not Phase.DROPPED

@@ -55,13 +55,15 @@ class HeldRequest:
     request_id: str
     terms: Terms
     deadline: float = float("inf")  # of the lease, or of the wait for the engine to hand the request over
-    held: Held = field(init=False)
-    phase: Phase = Phase.EARLY
+    held: Held = field(init=False)  # the record, its phase included
     path: list[tuple[Phase, str, Phase]] = field(default_factory=list)  # the transitions taken, in order
-    _ended: Phase | None = field(default=None, init=False, repr=False)  # RELEASED or DROPPED, once decided
 
     def __post_init__(self) -> None:
         self.held = Held(self.request_id)
+
+    @property
+    def phase(self) -> Phase:
+        return self.held.phase
 
     @property
     def token(self) -> str:
@@ -77,20 +79,23 @@ class HeldRequest:
 
     # -- engine events --------------------------------------------------------------------------------------
     def start(self, block_ids: dict[int, Ids], num_tokens: int, token: str) -> list[Action]:
-        """``start_request``: the coming forward completes the prompt in ``block_ids``."""
-        if self.phase in TERMINAL:
+        """``start_request``: the coming forward completes the prompt in ``block_ids`` (again, after a
+        preemption: the new blocks count)."""
+        if self.phase not in (Phase.EARLY, Phase.COMPUTING):
             return []
+        self._go("start", Phase.COMPUTING)
         return self._event("start", self._hand_over(block_ids, num_tokens, token, None))
 
     def finish(self, block_ids: dict[int, Ids], num_tokens: int, token: str, now: float) -> list[Action]:
         """``request_finished``: the KV is computed; hold it under a lease from ``now``."""
-        if self.phase in TERMINAL:
+        if self.phase not in (Phase.EARLY, Phase.COMPUTING, Phase.HELD):
             return []
+        self._go("finish", Phase.HELD)
         return self._event("finish", self._hand_over(block_ids, num_tokens, token, now))
 
     def layer_saved(self, layer: str) -> list[Action]:
         held = self.held
-        if self.phase in TERMINAL or not held.known or held.finished or held.aborted:
+        if self.phase is not Phase.COMPUTING:
             return []
         held.saved.add(layer)
         out: list[Action] = []
@@ -101,9 +106,9 @@ class HeldRequest:
 
     def abort(self) -> list[Action]:
         """The engine aborted it; finished KV stays valid for decode (the lease or the readers end it)."""
-        if self.phase in TERMINAL or not self.held.known or self.held.finished:
+        if self.phase is not Phase.COMPUTING:
             return []
-        self.held.aborted = True
+        self._go("abort", Phase.ABORTED)
         return self._event("abort", [])
 
     # -- decode ranks' messages (the shell checked the boot id and that the sender handshook) ---------------
@@ -133,7 +138,7 @@ class HeldRequest:
             held.target_tp = reg.tp_size
         held.targets[(reg.engine_id, reg.rank)] = target
         out: list[Action] = [Registered()]
-        if held.finished:
+        if held.phase is Phase.HELD:
             out += self._push_rest(target)
         elif held.block_ids is not None:
             out += self._prepare(target)
@@ -191,31 +196,26 @@ class HeldRequest:
         """Expire the lease (or the wait for the engine) once ``deadline`` passed and no write is in flight."""
         if self.phase in TERMINAL or self.deadline >= now or self.in_flight:
             return []
-        return self._event("tick", self._expire())
+        return self._event("tick", self._expire("tick"))
 
     # -- inside ---------------------------------------------------------------------------------------------
-    def _event(self, event: str, out: list[Action]) -> list[Action]:
-        """After ``event`` changed the record (its actions ``out``): settle, and move to the phase it led to."""
-        if self._ended is None:
-            out += self._settle()
-        new = self._phase()
-        if new is not self.phase:
-            if (self.phase, event, new) not in TRANSITIONS:  # a bug in this file; the table is the contract
-                raise RuntimeError(f"prefill request {self.request_id}: {self.phase.name} -> {new.name} on {event!r} "
-                                   f"is not in TRANSITIONS")
-            self.path.append((self.phase, event, new))
-            self.phase = new
-        return out
+    def _go(self, event: str, new: Phase) -> None:
+        """Move to ``new`` on ``event``; a change ``TRANSITIONS`` does not list raises (a bug in this file)."""
+        old = self.held.phase
+        if new is old:
+            return
+        if (old, event, new) not in TRANSITIONS:
+            raise RuntimeError(f"prefill request {self.request_id}: {old.name} -> {new.name} on {event!r} "
+                               f"is not in TRANSITIONS")
+        self.path.append((old, event, new))
+        self.held.phase = new
 
-    def _phase(self) -> Phase:
-        held = self.held
-        if self._ended is not None:
-            return self._ended
-        if held.aborted:
-            return Phase.ABORTED
-        if held.finished:
-            return Phase.HELD
-        return Phase.COMPUTING if held.known else Phase.EARLY
+    def _event(self, event: str, out: list[Action]) -> list[Action]:
+        """After ``event`` changed the record (its actions ``out``): report what ended, release once nothing more
+        can happen to the request's blocks."""
+        if self.phase not in TERMINAL:
+            out += self._settle(event)
+        return out
 
     def _hand_over(self, block_ids: dict[int, Ids], num_tokens: int, token: str, now: float | None
                    ) -> list[Action]:
@@ -227,7 +227,6 @@ class HeldRequest:
             for refused in ownership.hand_over(held, token)  # word that came before counts only with the token
         ]
         if now is not None:
-            held.finished = True
             self.deadline = now + self.terms.lease_s
             for target in held.targets.values():
                 out += self._push_rest(target)
@@ -249,7 +248,7 @@ class HeldRequest:
         return True
 
     def _stopped(self) -> bool:
-        return bool(self.held.aborted or self.held.declined)
+        return self.held.phase is Phase.ABORTED or bool(self.held.declined)
 
     def _prepare(self, target: Target) -> list[Action]:
         if target.phase is not TargetPhase.CHECKED or not self._source_ok(target):
@@ -267,7 +266,8 @@ class HeldRequest:
                 or target.inflight >= WRITES_PER_TARGET):
             return []
         held = self.held
-        todo = tuple(x for x in target.layers if x not in target.sent and (held.finished or x in held.saved))
+        finished = held.phase is Phase.HELD
+        todo = tuple(x for x in target.layers if x not in target.sent and (finished or x in held.saved))
         if not todo:
             return []
         target.sent.update(todo)
@@ -291,47 +291,46 @@ class HeldRequest:
     def _result(self, target: Target, ok: bool, reason: str) -> Send:
         return Send(target.peer.identity, PushResult(self.request_id, self.terms.rank, ok, reason))
 
-    def _settle(self) -> list[Action]:
+    def _settle(self, event: str) -> list[Action]:
         """Report finished pushes, and release the request once nothing more can happen to its blocks."""
         held = self.held
+        finished, aborted = held.phase is Phase.HELD, held.phase is Phase.ABORTED
         out: list[Action] = []
         for target in held.targets.values():
             if target.reported or target.inflight or not target.checked:
                 continue
-            complete = held.finished and set(target.layers) <= target.sent
+            complete = finished and set(target.layers) <= target.sent
             if held.declined:  # one decode rank gave the request up: nothing more is written to any of them
                 target.error = target.error or held.declined
-            if target.error or held.aborted or complete or not target.layers:
-                reason = target.error or ("aborted on the prefill instance" if held.aborted else "")
+            if target.error or aborted or complete or not target.layers:
+                reason = target.error or ("aborted on the prefill instance" if aborted else "")
                 out.append(self._result(target, not reason and (complete or not target.layers), reason))
                 target.to(TargetPhase.REPORTED)
-        if not held.known or self.in_flight:
+        if self.in_flight or not (finished or aborted):
             return out
-        if held.aborted:
-            return out + self._release("failed", "aborted before its prefill finished")
-        if not held.finished:
-            return out
+        if aborted:
+            return out + self._release(event, "failed", "aborted before its prefill finished")
         if held.declined:
-            return out + self._release("failed", held.declined)
+            return out + self._release(event, "failed", held.declined)
         if held.reader_tp and len(held.readers) >= held.reader_tp:
             failed = [k for k, ok in held.readers.items() if not ok]
             if failed:
-                return out + self._release("failed", f"decode rank(s) {failed} reported the read failed")
-            return out + self._release("done")
+                return out + self._release(event, "failed", f"decode rank(s) {failed} reported the read failed")
+            return out + self._release(event, "done")
         if held.target_tp and len(held.targets) >= held.target_tp and all(t.reported for t in held.targets.values()):
             errors = [t.error for t in held.targets.values() if t.error]
-            return out + self._release("failed" if errors else "done", "; ".join(errors))
+            return out + self._release(event, "failed" if errors else "done", "; ".join(errors))
         return out
 
-    def _release(self, state: State, reason: str = "") -> list[Action]:
-        self._ended = Phase.RELEASED
+    def _release(self, event: str, state: State, reason: str = "") -> list[Action]:
+        self._go(event, Phase.RELEASED)
         return [Release(Completion(self.request_id, state, reason=reason))]
 
-    def _expire(self) -> list[Action]:
+    def _expire(self, event: str) -> list[Action]:
         held = self.held
         out: list[Action] = []
         if not held.known:  # word of a request that never came here: nothing of the engine's is held
-            self._ended = Phase.DROPPED
+            self._go(event, Phase.DROPPED)
             for t in held.targets.values():
                 if not t.reported:
                     out.append(self._result(t, False, "the prefill instance never saw this request"))
@@ -342,5 +341,5 @@ class HeldRequest:
                 target.error = target.error or "lease expired before the push completed"
                 out.append(self._result(target, False, target.error))
                 target.to(TargetPhase.REPORTED)
-        return out + self._release("timed_out", f"lease of {self.terms.lease_s} s expired without the decode "
+        return out + self._release(event, "timed_out", f"lease of {self.terms.lease_s} s expired without the decode "
                                                 f"finishing")

@@ -25,9 +25,9 @@ def owned(held: Held, engine_id: str, token: str) -> bool:
 
 
 def hand_over(held: Held, token: str) -> list[Target]:
-    """The engine handed the request over under ``token``: judge the word that came before. Returns the push
-    registrations refused (their senders are told)."""
-    held.known, held.token = True, token
+    """The engine handed the request over under ``token`` (its machine left ``EARLY``): judge the word that came
+    before. Returns the push registrations refused (their senders are told)."""
+    held.token = token
     for (engine, rank), (ok, tp, said) in held.early_reads.items():
         if owned(held, engine, said):
             held.readers[(engine, rank)], held.reader_tp = ok, tp
