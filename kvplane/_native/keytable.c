@@ -327,6 +327,17 @@ static int parse_pool(PyObject *args, int extra, const char **extra_names, const
     return got;
 }
 
+/* The start of a pool call whose one argument after the state is the int64 array NAME (WRITABLE 1: an output):
+ * declares v, p, got and res, and goes to done when the arguments do not parse. */
+#define POOL_CALL(NAME, WRITABLE)                                     \
+    static const char *names[] = {NAME};                              \
+    static const int writable[] = {WRITABLE};                         \
+    Py_buffer v[NSTATE + 1];                                          \
+    pool_t p;                                                         \
+    int got = parse_pool(args, 1, names, writable, v, &p);            \
+    PyObject *res = NULL;                                             \
+    if (got < NSTATE + 1 || PyErr_Occurred()) goto done
+
 static PyObject *result(int kind, int64_t block) { return Py_BuildValue("(iL)", kind, (long long)block); }
 
 static int64_t range_error(const pool_t *p, const int64_t *ids, Py_ssize_t n) {
@@ -378,14 +389,8 @@ static int cmp_i64(const void *a, const void *b) {
  * or the free ring. (E_RANGE, i) for an unknown id at index i, (E_OVER, b) when b is released more times than
  * it is referenced. */
 static PyObject *kt_unref(PyObject *self, PyObject *args) {
-    static const char *names[] = {"ids"};
-    static const int writable[] = {0};
-    Py_buffer v[NSTATE + 1];
-    pool_t p;
-    int got = parse_pool(args, 1, names, writable, v, &p);
-    PyObject *res = NULL;
     int64_t *released = NULL;
-    if (got < NSTATE + 1 || PyErr_Occurred()) goto done;
+    POOL_CALL("ids", 0);
     const int64_t *ids = v[NSTATE].buf;
     Py_ssize_t n = v[NSTATE].len / 8;
     int64_t bad = range_error(&p, ids, n);
@@ -424,13 +429,7 @@ done:
 /* ref(state..., ids): one reference more each; a cached block leaves the LRU. (E_FREE, b): the smallest id
  * that is neither referenced nor cached. */
 static PyObject *kt_ref(PyObject *self, PyObject *args) {
-    static const char *names[] = {"ids"};
-    static const int writable[] = {0};
-    Py_buffer v[NSTATE + 1];
-    pool_t p;
-    int got = parse_pool(args, 1, names, writable, v, &p);
-    PyObject *res = NULL;
-    if (got < NSTATE + 1 || PyErr_Occurred()) goto done;
+    POOL_CALL("ids", 0);
     const int64_t *ids = v[NSTATE].buf;
     Py_ssize_t n = v[NSTATE].len / 8;
     int64_t bad = range_error(&p, ids, n), worst = -1;
@@ -453,13 +452,7 @@ done:
 /* allocate(state..., out): len(out) blocks with refcount 1, free ones first, then the oldest cached ones
  * (their keys dropped). The caller checked that enough are free or evictable. */
 static PyObject *kt_allocate(PyObject *self, PyObject *args) {
-    static const char *names[] = {"out"};
-    static const int writable[] = {1};
-    Py_buffer v[NSTATE + 1];
-    pool_t p;
-    int got = parse_pool(args, 1, names, writable, v, &p);
-    PyObject *res = NULL;
-    if (got < NSTATE + 1 || PyErr_Occurred()) goto done;
+    POOL_CALL("out", 1);
     int64_t *out = v[NSTATE].buf, *m = p.meta;
     Py_ssize_t n = v[NSTATE].len / 8, k = 0;
     if (n > (m[F_TAIL] - m[F_HEAD]) + m[L_LIVE]) {
@@ -484,13 +477,7 @@ done:
 /* oldest(state..., out): the len(out) cached blocks an allocation would evict first, oldest first (the caller
  * checked there are that many); nothing changes. */
 static PyObject *kt_oldest(PyObject *self, PyObject *args) {
-    static const char *names[] = {"out"};
-    static const int writable[] = {1};
-    Py_buffer v[NSTATE + 1];
-    pool_t p;
-    int got = parse_pool(args, 1, names, writable, v, &p);
-    PyObject *res = NULL;
-    if (got < NSTATE + 1 || PyErr_Occurred()) goto done;
+    POOL_CALL("out", 1);
     int64_t *out = v[NSTATE].buf;
     Py_ssize_t n = v[NSTATE].len / 8, k = 0;
     for (int64_t pos = p.meta[L_HEAD]; k < n && pos < p.meta[L_TAIL]; pos++) {
@@ -505,13 +492,7 @@ done:
 
 /* evict(state..., ids): cached, unreferenced blocks (the caller checked) lose their keys and become free. */
 static PyObject *kt_evict(PyObject *self, PyObject *args) {
-    static const char *names[] = {"ids"};
-    static const int writable[] = {0};
-    Py_buffer v[NSTATE + 1];
-    pool_t p;
-    int got = parse_pool(args, 1, names, writable, v, &p);
-    PyObject *res = NULL;
-    if (got < NSTATE + 1 || PyErr_Occurred()) goto done;
+    POOL_CALL("ids", 0);
     const int64_t *ids = v[NSTATE].buf;
     Py_ssize_t n = v[NSTATE].len / 8;
     int64_t bad = range_error(&p, ids, n);

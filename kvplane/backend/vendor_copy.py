@@ -25,23 +25,17 @@ Signatures (checked against the vendors' documentation, see docs/backends.md):
 from __future__ import annotations
 
 import ctypes
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
+from kvplane._native import optional
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
 
 SIGNATURES = ("cuda", "acl", "cnrt", "cuda_batch12", "cuda_batch13", "plan")
 
-_native: ModuleType | None
-try:
-    _native = importlib.import_module("kvplane._native._async_copy")
-    _IMPORT_ERROR = ""
-except ImportError as e:  # only when the package was installed without building its C files
-    _native = None
-    _IMPORT_ERROR = str(e)
+_native, _IMPORT_ERROR = optional("_async_copy")
 
 _libraries: dict[str, ctypes.CDLL] = {}  # loaded once, kept for the life of the process
 

@@ -95,17 +95,16 @@ def run_sweep(backend: Backend, direction: Direction, size_kib: int, quick: bool
             run()  # warm-up (a kernel's first launch compiles)
             gbps[route] = round(nbytes / statistics.median(timed(run) for _ in range(MIN_REPS)) / 1e9, 3)
     base = nbytes / samples.baseline_median / 1e9
-    return make_result(
-        scenario=f"sweep-{direction}-{size_kib}k", kind="offload", backend=backend.label, transport="local",
-        nbytes=nbytes, samples=samples, baseline="contiguous copy_", verified=verified, descriptors=count,
-        params={
-            "direction": direction, "descriptor_bytes": size, "descriptors": count,
-            "gbps_by_route": gbps, "ratio_by_route": {k: round(v / base, 3) for k, v in gbps.items()},
-            "auto_route": route_of(backend, plan, direction),
-            "crossover": _crossover(backend),
-            "torch_device": str(backend.device()),
-        },
-    )
+    return make_result(scenario=f"sweep-{direction}-{size_kib}k", kind="offload", backend=backend.label,
+                       transport="local", nbytes=nbytes, samples=samples, baseline="contiguous copy_",
+                       verified=verified, descriptors=count,
+                       params={
+                           "direction": direction, "descriptor_bytes": size, "descriptors": count,
+                           "gbps_by_route": gbps, "ratio_by_route": {k: round(v / base, 3) for k, v in gbps.items()},
+                           "auto_route": route_of(backend, plan, direction),
+                           "crossover": _crossover(backend),
+                           "torch_device": str(backend.device()),
+                       })
 
 
 def route_of(backend: Backend, plan: CopyPlan, direction: Direction) -> str:

@@ -174,9 +174,8 @@ def run_calls(backend: Backend, engine: str, quick: bool, mib: int | None = None
         _release()
     samples = Samples()
     for rep in reps:
-        samples.ours.append(percentile(rep.inflight, 99) if rep.inflight else 0.0)
-        samples.baseline.append(percentile(rep.idle, 99))
-        samples.cpu.append(statistics.fmean(rep.cpu) if rep.cpu else 0.0)
+        samples.add(percentile(rep.inflight, 99) if rep.inflight else 0.0,
+                    statistics.fmean(rep.cpu) if rep.cpu else 0.0, percentile(rep.idle, 99))
     inflight = [c * 1e3 for r in reps for c in r.inflight]
     idle = [c * 1e3 for r in reps for c in r.idle]
     nbytes = pair.blocks * BLOCK_TOKENS * TOKEN_BYTES
@@ -191,11 +190,9 @@ def run_calls(backend: Backend, engine: str, quick: bool, mib: int | None = None
     }
     params["note"] = (f"get_finished during a {mib} MiB pull: p50 {params['p50_ms']:.3f} / p99 {p99:.3f} / max "
                       f"{params['max_ms']:.3f} ms over {len(inflight)} calls (goal p99 < 5 ms)")
-    return make_result(
-        scenario=name or f"calls-{engine}-get_finished", kind="calls", backend=backend.label, transport=engine,
-        nbytes=nbytes, samples=samples, baseline="get_finished, nothing in flight", verified=verified,
-        descriptors=0, params=params,
-    )
+    return make_result(scenario=name or f"calls-{engine}-get_finished", kind="calls", backend=backend.label,
+                       transport=engine, nbytes=nbytes, samples=samples, baseline="get_finished, nothing in flight",
+                       verified=verified, descriptors=0, params=params)
 
 
 def scenario(engine: str, mib: int | None = None) -> Scenario:

@@ -137,28 +137,20 @@ def run_local_copy(
         backend.synchronize()
 
     samples = interleave(ours, raw, settle_s=SETTLE_S)
-    return make_result(
-        scenario=name or f"copy-{model}-{direction}-bs{block_tokens}",
-        kind="offload",
-        backend=backend.label,
-        transport="local",
-        nbytes=nbytes,
-        samples=samples,
-        baseline="contiguous copy_",
-        verified=verified,
-        descriptors=len(plan),
-        params={
-            "model": model,
-            "direction": direction,
-            "block_tokens": block_tokens,
-            "tokens": tokens,
-            "blocks": blocks,
-            "descriptors": len(plan),
-            "torch_device": str(backend.device()),
-            "cache": "cross-layer" if cross_layer else "per-layer",
-            "route": route_of(backend, plan, kind),
-        },
-    )
+    return make_result(scenario=name or f"copy-{model}-{direction}-bs{block_tokens}", kind="offload",
+                       backend=backend.label, transport="local", nbytes=nbytes, samples=samples,
+                       baseline="contiguous copy_", verified=verified, descriptors=len(plan),
+                       params={
+                           "model": model,
+                           "direction": direction,
+                           "block_tokens": block_tokens,
+                           "tokens": tokens,
+                           "blocks": blocks,
+                           "descriptors": len(plan),
+                           "torch_device": str(backend.device()),
+                           "cache": "cross-layer" if cross_layer else "per-layer",
+                           "route": route_of(backend, plan, kind),
+                       })
 
 
 def same_blocks(

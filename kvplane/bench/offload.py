@@ -281,18 +281,9 @@ def run_offload(
         params["note"] = (f"load hidden behind layer compute: {params['overlap_hidden']:.2f} "
                           f"(at most {params['overlap_best']:.2f})")
         _release()  # load runs after store for each model: the buffers go before the next scenario
-    return make_result(
-        scenario=name or f"offload-{model}-{direction}",
-        kind="offload",
-        backend=backend.label,
-        transport="local",
-        nbytes=rig.nbytes,
-        samples=samples,
-        baseline="contiguous copy_",
-        verified=verified,
-        descriptors=descriptors,
-        params=params,
-    )
+    return make_result(scenario=name or f"offload-{model}-{direction}", kind="offload", backend=backend.label,
+                       transport="local", nbytes=rig.nbytes, samples=samples, baseline="contiguous copy_",
+                       verified=verified, descriptors=descriptors, params=params)
 
 
 def overlap(rig: OffloadRig, hashes: list[int], load_s: float, new_id: Callable[[], str]) -> dict[str, float]:

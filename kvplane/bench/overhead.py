@@ -91,15 +91,6 @@ def run_overhead(
     params["cpu_ms_per_request"] = round(cpu_ms, 3)
     params["goal_cpu_ms"] = GOAL_CPU_S * 1e3
     params["note"] = f"kvplane CPU {cpu_ms:.2f} ms per request, copies stubbed (goal < 1 ms)"
-    return make_result(
-        scenario=name or f"overhead-{model}-{direction}",
-        kind="overhead",
-        backend=backend.label,
-        transport="local",
-        nbytes=rig.nbytes,
-        samples=samples,
-        baseline="contiguous copy_",
-        verified=True,  # nothing is copied, so there are no bytes to compare (the table says n/a)
-        descriptors=descriptors,
-        params=params,
-    )
+    return make_result(scenario=name or f"overhead-{model}-{direction}", kind="overhead", backend=backend.label,
+                       transport="local", nbytes=rig.nbytes, samples=samples, baseline="contiguous copy_",
+                       verified=True, descriptors=descriptors, params=params)

@@ -127,33 +127,26 @@ def run_pd(
     if cross_layer or vram:  # the engine's own ceiling for kvplane's descriptors: what fewer, bigger ones buy
         extra["raw_same_plan"] = lambda: pair.transport.raw_move(pair.handle, op, tp.plan)
     samples, extra_s = _interleave_extra(ours, raw, extra)
-    return make_result(
-        scenario=name or f"pd-{engine}-{model}-{op.lower()}" + ("" if pattern == "scatter" else f"-{pattern}"),
-        kind="pd",
-        backend=backend.label,
-        transport=engine,
-        nbytes=tp.plan.total_bytes,
-        samples=samples,
-        baseline=f"raw {engine} batch calls",
-        verified=verified,
-        descriptors=len(tp.plan),
-        params={
-            "model": model,
-            "op": op,
-            "mode": op.lower(),
-            "blocks_pattern": pattern,
-            "tokens": tokens,
-            "block_tokens": BLOCK_TOKENS,
-            "baseline_descriptors": len(raw_plan),
-            "plan_ms": round(plan_s * 1e3, 3),
-            "sides": "two processes on 127.0.0.1",
-            "cache": "cross-layer" if cross_layer else "per-layer",
-            "first_request_ms": round(first_s * 1e3, 1),
-            **(_prep_params(nixl, extra_s["unprepped"], samples.median) if nixl is not None else {}),
-            "memory": f"{backend.label} device memory, both processes" if vram else "host memory",
-            **(_ceiling_params(extra_s["raw_same_plan"], samples) if cross_layer or vram else {}),
-        },
-    )
+    scenario = name or f"pd-{engine}-{model}-{op.lower()}" + ("" if pattern == "scatter" else f"-{pattern}")
+    return make_result(scenario=scenario, kind="pd", backend=backend.label, transport=engine, nbytes=tp.plan.total_bytes,
+                       samples=samples, baseline=f"raw {engine} batch calls", verified=verified,
+                       descriptors=len(tp.plan),
+                       params={
+                           "model": model,
+                           "op": op,
+                           "mode": op.lower(),
+                           "blocks_pattern": pattern,
+                           "tokens": tokens,
+                           "block_tokens": BLOCK_TOKENS,
+                           "baseline_descriptors": len(raw_plan),
+                           "plan_ms": round(plan_s * 1e3, 3),
+                           "sides": "two processes on 127.0.0.1",
+                           "cache": "cross-layer" if cross_layer else "per-layer",
+                           "first_request_ms": round(first_s * 1e3, 1),
+                           **(_prep_params(nixl, extra_s["unprepped"], samples.median) if nixl is not None else {}),
+                           "memory": f"{backend.label} device memory, both processes" if vram else "host memory",
+                           **(_ceiling_params(extra_s["raw_same_plan"], samples) if cross_layer or vram else {}),
+                       })
 
 
 def _plans(op: Op, remote: Manifest, remote_ids: npt.NDArray[np.int64], local: Manifest,
@@ -186,9 +179,7 @@ def _interleave_extra(ours: Callable[[], None], raw: Callable[[], None],
     seconds: dict[str, list[float]] = {name: [] for name in extra}
     for _ in range(MIN_REPS):
         wall, cpu = timed_cpu(ours)
-        samples.ours.append(wall)
-        samples.cpu.append(cpu)
-        samples.baseline.append(timed(raw))
+        samples.add(wall, cpu, timed(raw))
         for name, run in extra.items():
             seconds[name].append(timed(run))
     return samples, seconds

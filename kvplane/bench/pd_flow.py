@@ -202,11 +202,9 @@ def run_flow(
         params["prep_paths"] = mover.prep_stats.as_dict()
     if mode == "layerwise":
         params.update(_hidden(compute_s, seconds, statistics.median(pushes)))
-    return make_result(
-        scenario=name or _name(engine, model, mode, pattern), kind="pd", backend=backend.label, transport=engine,
-        nbytes=plan.total_bytes, samples=samples, baseline=f"raw {engine} {op}", verified=verified,
-        descriptors=round(statistics.median(moved)), params=params,
-    )
+    return make_result(scenario=name or _name(engine, model, mode, pattern), kind="pd", backend=backend.label,
+                       transport=engine, nbytes=plan.total_bytes, samples=samples, baseline=f"raw {engine} {op}",
+                       verified=verified, descriptors=round(statistics.median(moved)), params=params)
 
 
 def _hidden(compute_s: float, seconds: float, push_s: float) -> dict[str, Any]:

@@ -147,11 +147,10 @@ def run(backend: Backend, engine: str, model: str, mode: Mode, tokens: int, name
         "same_vendor_descriptors": round(statistics.median(same_descs)),
         "cross_ms": round(samples.median * 1e3, 1), "same_vendor_ms": round(samples.baseline_median * 1e3, 1),
     }
-    return make_result(
-        scenario=name, kind="pd", backend=backend.label, transport=engine,
-        nbytes=plan.staged_bytes + plan.direct_bytes, samples=samples, baseline="same-vendor pair (CUDA's caches)",
-        verified=verified, descriptors=round(statistics.median(cross_descs)), params=params,
-    )
+    return make_result(scenario=name, kind="pd", backend=backend.label, transport=engine,
+                       nbytes=plan.staged_bytes + plan.direct_bytes, samples=samples,
+                       baseline="same-vendor pair (CUDA's caches)", verified=verified,
+                       descriptors=round(statistics.median(cross_descs)), params=params)
 
 
 def scenario(engine: str, model: str, mode: Mode, tokens: int) -> Scenario:

@@ -85,25 +85,17 @@ def run_plan(backend: Backend, model: str, tokens: int, quick: bool) -> BenchRes
         and np.array_equal(np.sort(plan.src), np.sort(raw_src))
         and np.array_equal(plan.dst[np.argsort(plan.dst)], raw_dst[order])
     )
-    return make_result(
-        scenario=f"plan-{model}-{tokens // 1000}k",
-        kind="plan",
-        backend=backend.label,
-        transport="none",
-        nbytes=plan.total_bytes,
-        samples=samples,
-        baseline="numpy descriptor arithmetic",
-        verified=verified,
-        descriptors=len(plan),
-        params={
-            "model": model,
-            "tokens": tokens,
-            "descriptors": len(plan),
-            "plan_ms": round(seconds * 1e3, 3),
-            "baseline_ms": round(baseline_seconds * 1e3, 3),
-            "plan_cpu_ms": round(samples.cpu_median * 1e3, 3),
-        },
-    )
+    return make_result(scenario=f"plan-{model}-{tokens // 1000}k", kind="plan", backend=backend.label,
+                       transport="none", nbytes=plan.total_bytes, samples=samples,
+                       baseline="numpy descriptor arithmetic", verified=verified, descriptors=len(plan),
+                       params={
+                           "model": model,
+                           "tokens": tokens,
+                           "descriptors": len(plan),
+                           "plan_ms": round(seconds * 1e3, 3),
+                           "baseline_ms": round(baseline_seconds * 1e3, 3),
+                           "plan_cpu_ms": round(samples.cpu_median * 1e3, 3),
+                       })
 
 
 def scenario(model: str, tokens: int) -> Scenario:

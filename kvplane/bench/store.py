@@ -150,9 +150,7 @@ def run_put(s: StoreRig) -> tuple[Samples, bool, dict[str, Any]]:
         e = timed(whole_store)
         s.remove(s.link.keys(GROUP, hashes))
         if rep:
-            samples.ours.append(t)
-            samples.cpu.append(cpu)
-            samples.baseline.append(r)
+            samples.add(t, cpu, r)
             e2e.append(e)
     return samples, verified, _e2e(s, e2e)
 
@@ -192,9 +190,7 @@ def run_get(s: StoreRig) -> tuple[Samples, bool, dict[str, Any]]:
             )
         s.remove(keys + load_keys)
         if rep:
-            samples.ours.append(t)
-            samples.cpu.append(cpu)
-            samples.baseline.append(r)
+            samples.add(t, cpu, r)
             e2e.append(e)
     return samples, verified, _e2e(s, e2e)
 
@@ -245,21 +241,14 @@ def run_store(
         raise
     if op == "get":  # get runs after put for each model: the master and buffers go before the next row
         _release()
-    return make_result(
-        scenario=name or _name(model, op, tokens if not quick else TOKENS),
-        kind="store",
-        backend=backend.label,
-        transport="mooncake-store",
-        nbytes=s.nbytes,
-        samples=samples,
-        baseline=f"raw batch_{'put_from' if op == 'put' else 'get_into'}",
-        verified=verified,
-        descriptors=len(s.source),  # one object per block
-        params={
-            "model": model, "op": op, "mode": op, "tokens": tokens, "block_tokens": BLOCK_TOKENS,
-            "blocks": len(s.source), "objects_per_call": len(s.source), **extra,
-        },
-    )
+    return make_result(scenario=name or _name(model, op, tokens if not quick else TOKENS), kind="store",
+                       backend=backend.label, transport="mooncake-store", nbytes=s.nbytes, samples=samples,
+                       baseline=f"raw batch_{'put_from' if op == 'put' else 'get_into'}", verified=verified,
+                       descriptors=len(s.source),
+                       params={
+                           "model": model, "op": op, "mode": op, "tokens": tokens, "block_tokens": BLOCK_TOKENS,
+                           "blocks": len(s.source), "objects_per_call": len(s.source), **extra,
+                       })
 
 
 def _name(model: str, op: str, tokens: int) -> str:

@@ -24,6 +24,12 @@ class Samples:
     baseline: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
 
+    def add(self, ours: float, cpu: float, baseline: float) -> None:
+        """One rep: kvplane's wall and CPU seconds, the baseline's wall seconds."""
+        self.ours.append(ours)
+        self.cpu.append(cpu)
+        self.baseline.append(baseline)
+
     @property
     def reps(self) -> int:
         return min(len(self.ours), len(self.baseline))
@@ -75,9 +81,7 @@ def interleave(
     for _ in range(max(reps, MIN_REPS)):
         time.sleep(settle_s)
         wall, cpu = timed_cpu(kvplane, clock)
-        s.ours.append(wall)
-        s.cpu.append(cpu)
-        s.baseline.append(timed(baseline))
+        s.add(wall, cpu, timed(baseline))
     return s
 
 

@@ -10,15 +10,14 @@ request; the pairing depends on the two manifests and the layer list alone, so i
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 
+from kvplane._native import optional
 from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import PlanError, SpecError
 from kvplane.kv.manifest import Manifest
@@ -28,11 +27,7 @@ from kvplane.plan.tokens import Chunks
 
 REPLICATED_FAMILIES = frozenset({"mla", "index"})
 
-_native: ModuleType | None
-try:  # the C pass the offload planner uses too (kvplane/_native/memcpy.c); numpy where it is not built
-    _native = importlib.import_module("kvplane._native._memcpy")
-except ImportError:
-    _native = None
+_native, _ = optional("_memcpy")  # the C pass the offload planner uses too; numpy where it is not built
 
 
 def direct_ok(s: Region, d: Region, heads: tuple[int, int]) -> bool:

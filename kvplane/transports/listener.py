@@ -9,18 +9,14 @@ sees the flag. Without the native module (a source tree not built) the teardown 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import ModuleType
+
+from kvplane._native import optional
 
 WAKE_S = 5.0  # the waker gives up after this long: a teardown stuck elsewhere is not poked forever
 
-_waker: ModuleType | None
-try:
-    _waker = importlib.import_module("kvplane._native._listener_waker")
-except ImportError:
-    _waker = None
+_waker, _ = optional("_listener_waker")
 
 
 @contextmanager

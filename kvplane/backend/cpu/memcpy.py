@@ -3,20 +3,13 @@ large plans (``kvplane/_native/memcpy.c``; no thread is created per call)."""
 
 from __future__ import annotations
 
-import importlib
 import os
-from types import ModuleType
 
+from kvplane._native import optional
 from kvplane.descriptors import CopyPlan
 from kvplane.errors import BackendError
 
-_memcpy: ModuleType | None
-try:
-    _memcpy = importlib.import_module("kvplane._native._memcpy")
-    _IMPORT_ERROR = ""
-except ImportError as e:  # only when the package was installed without building its C file
-    _memcpy = None
-    _IMPORT_ERROR = str(e)
+_memcpy, _IMPORT_ERROR = optional("_memcpy")
 
 PARALLEL_MIN_BYTES = 8 << 20  # below this one thread is faster than waking more (memcpy.c applies it too)
 

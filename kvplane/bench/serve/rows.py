@@ -252,11 +252,10 @@ def run_pd(backend: Backend, mode: str, engine: str, quick: bool, name: str) -> 
         }
         params["note"] = (f"e2e {params['e2e_ms']} ms vs plain {params['plain_e2e_ms']} ms: ratio "
                           f"{params['e2e_ratio']}; server start (apart) {params['start_s']} s")
-        return make_result(
-            scenario=name, kind=KIND, backend=backend.label, transport=engine,
-            nbytes=round_tokens * site.kv_bytes_per_token, samples=ttft, baseline="one plain vLLM instance",
-            verified=equal == len(ttft.ours) and received > 0, descriptors=0, params=params,
-        )
+        return make_result(scenario=name, kind=KIND, backend=backend.label, transport=engine,
+                           nbytes=round_tokens * site.kv_bytes_per_token, samples=ttft,
+                           baseline="one plain vLLM instance", verified=equal == len(ttft.ours) and received > 0,
+                           descriptors=0, params=params)
 
     return _on_failure(_pair, measure)
 
@@ -300,11 +299,10 @@ def run_offload(backend: Backend, quick: bool, name: str) -> BenchResult:
         params["note"] = (f"e2e hit {params['hit_e2e_ms']} ms vs miss {params['miss_e2e_ms']} ms: ratio "
                           f"{params['e2e_ratio']}; host-tier tokens {host:.0f}; server start (apart) "
                           f"{params['start_s']} s")
-        return make_result(
-            scenario=name, kind=KIND, backend=backend.label, transport="host",
-            nbytes=round_tokens * site.kv_bytes_per_token, samples=ttft, baseline="the same prompt, fresh salt (miss)",
-            verified=equal == len(ttft.ours) and host > 0, descriptors=0, params=params,
-        )
+        return make_result(scenario=name, kind=KIND, backend=backend.label, transport="host",
+                           nbytes=round_tokens * site.kv_bytes_per_token, samples=ttft,
+                           baseline="the same prompt, fresh salt (miss)",
+                           verified=equal == len(ttft.ours) and host > 0, descriptors=0, params=params)
 
     return _on_failure(_offload, measure)
 

@@ -18,24 +18,19 @@ test drives both. Without the extension, ``BlockPool``'s own methods run. Only `
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Sequence
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvplane._native import optional
 from kvplane.blocks.groups import is_ids
 from kvplane.blocks.pool import BlockPool
 from kvplane.descriptors import Int64Array as I64
 from kvplane.errors import BlockError
 
-_native: ModuleType | None
-try:
-    _native = importlib.import_module("kvplane._native._keytable")
-except ImportError:
-    _native = None
+_native, _ = optional("_keytable")
 
 
 _RANGE, _OVER, _FREE = 1, 2, 3  # error kinds the native calls return with the block (or index) at fault

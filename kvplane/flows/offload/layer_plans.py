@@ -19,12 +19,11 @@ request with cold caches (page faults and misses on new memory), against 0.05 ms
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
-from types import ModuleType
 
 import numpy as np
 
+from kvplane._native import optional
 from kvplane.blocks.groups import INT64, Ids, is_ids
 from kvplane.descriptors import CopyPlan, Region
 from kvplane.errors import PlanError
@@ -33,18 +32,11 @@ SPARE_PLANS = 4  # plan arrays a PlanBuffers keeps for reuse: one per request in
 SPARE_BYTES = 64 << 20  # ... and never more bytes than this (a 1M-token plan is not kept)
 SLICES = 8  # a merged (cross-layer) load is cut into this many runs of layers: see LayerPlanner.sliced_parts
 
-_native: ModuleType | None
-try:  # the same C extension as the cpu backend's memcpy; without it the numpy passes below do the work
-    _native = importlib.import_module("kvplane._native._memcpy")
-except ImportError:
-    _native = None
-# an extension built before it had plan_blocks: the numpy passes
+# the cpu backend's memcpy extension (an extension built before it had plan_blocks, or none: the numpy passes
+# below do the work) and the host index's (min, max) of an id array in one C loop
+_native, _ = optional("_memcpy")
 _plan_blocks: Callable[..., int] | None = getattr(_native, "plan_blocks", None)
-_span: Callable[[Ids], tuple[int, int]] | None
-try:  # the host index's helpers: (min, max) of an id array in one C loop
-    _span = importlib.import_module("kvplane._native._keytable").span
-except ImportError:
-    _span = None
+_span: Callable[[Ids], tuple[int, int]] | None = getattr(optional("_keytable")[0], "span", None)
 
 
 def planned(src: Ids, dst: Ids, length: Ids) -> CopyPlan:
