@@ -338,6 +338,13 @@ static int parse_pool(PyObject *args, int extra, const char **extra_names, const
     PyObject *res = NULL;                                             \
     if (got < NSTATE + 1 || PyErr_Occurred()) goto done
 
+/* After POOL_CALL("ids", 0): the ids and their count, or (E_RANGE, i) for the first id outside the pool. */
+#define CHECKED_IDS                                                   \
+    const int64_t *ids = v[NSTATE].buf;                               \
+    Py_ssize_t n = v[NSTATE].len / 8;                                 \
+    int64_t bad = range_error(&p, ids, n);                            \
+    if (bad >= 0) { res = result(E_RANGE, bad); goto done; }
+
 static PyObject *result(int kind, int64_t block) { return Py_BuildValue("(iL)", kind, (long long)block); }
 
 static int64_t range_error(const pool_t *p, const int64_t *ids, Py_ssize_t n) {
@@ -391,10 +398,7 @@ static int cmp_i64(const void *a, const void *b) {
 static PyObject *kt_unref(PyObject *self, PyObject *args) {
     int64_t *released = NULL;
     POOL_CALL("ids", 0);
-    const int64_t *ids = v[NSTATE].buf;
-    Py_ssize_t n = v[NSTATE].len / 8;
-    int64_t bad = range_error(&p, ids, n);
-    if (bad >= 0) { res = result(E_RANGE, bad); goto done; }
+    CHECKED_IDS
     for (Py_ssize_t i = 0; i < n; i++) {
         if (--p.refs[ids[i]] < 0) {
             int64_t b = ids[i];
@@ -430,10 +434,8 @@ done:
  * that is neither referenced nor cached. */
 static PyObject *kt_ref(PyObject *self, PyObject *args) {
     POOL_CALL("ids", 0);
-    const int64_t *ids = v[NSTATE].buf;
-    Py_ssize_t n = v[NSTATE].len / 8;
-    int64_t bad = range_error(&p, ids, n), worst = -1;
-    if (bad >= 0) { res = result(E_RANGE, bad); goto done; }
+    CHECKED_IDS
+    int64_t worst = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t b = ids[i];
         if (p.refs[b] == 0 && p.ticket[b] < 0 && (worst < 0 || b < worst)) worst = b;
@@ -493,10 +495,7 @@ done:
 /* evict(state..., ids): cached, unreferenced blocks (the caller checked) lose their keys and become free. */
 static PyObject *kt_evict(PyObject *self, PyObject *args) {
     POOL_CALL("ids", 0);
-    const int64_t *ids = v[NSTATE].buf;
-    Py_ssize_t n = v[NSTATE].len / 8;
-    int64_t bad = range_error(&p, ids, n);
-    if (bad >= 0) { res = result(E_RANGE, bad); goto done; }
+    CHECKED_IDS
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t b = ids[i];
         if (p.refs[b] != 0 || p.ticket[b] < 0) { res = result(E_FREE, b); goto done; }
