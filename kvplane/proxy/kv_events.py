@@ -184,19 +184,26 @@ class Subscriber:
         self._poller.register(dealer, zmq.POLLIN)
 
     def _apply(self, feed: Feed, events: list[kv_wire.Event]) -> None:
-        index, evicted = feed.index, feed.index.evicted
-        for event in events:
-            if isinstance(event, kv_wire.AllBlocksCleared):
-                index.cleared()
-            elif event.group_idx not in (None, 0):  # other KV-cache groups hash other blocks (hybrid models)
-                continue
-            elif isinstance(event, kv_wire.BlockStored):
-                index.stored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                             tier_of(event.medium), event.plain)
-            else:
-                index.removed(event.block_hashes, tier_of(event.medium))
+        evicted = apply(feed.index, events)
         self.count(feed.url, "batch", 1)
-        if index.evicted > evicted:
-            self.count(feed.url, "evicted", index.evicted - evicted)
+        if evicted:
+            self.count(feed.url, "evicted", evicted)
             feed.once("evicted", "the index reached its bound (--kv-index-entries %d): the least recently "
-                      "announced or used entries go", index.max_entries)
+                      "announced or used entries go", feed.index.max_entries)
+
+
+def apply(index: PrefixIndex, events: list[kv_wire.Event]) -> int:
+    """One batch's events, in order, to the index; the entries its bound dropped. Only KV-cache group 0 (or
+    none named) counts: other groups of a hybrid model hash other blocks, of other sizes."""
+    evicted = index.evicted
+    for event in events:
+        if isinstance(event, kv_wire.AllBlocksCleared):
+            index.cleared()
+        elif event.group_idx not in (None, 0):
+            continue
+        elif isinstance(event, kv_wire.BlockStored):
+            index.stored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                         tier_of(event.medium), event.plain)
+        else:
+            index.removed(event.block_hashes, tier_of(event.medium))
+    return index.evicted - evicted
