@@ -3,7 +3,8 @@
 Each instance named with ``kv_events=tcp://HOST:PORT`` (``config.py``) gets a ``Feed``: its ``PrefixIndex``, its
 ``Stream`` machine and a lock the router shares. The thread blocks in ``zmq.Poller.poll`` (an idle proxy spends no
 CPU here; the request path never waits on it), reads what came, runs each batch through the stream machine and
-applies what it says to the index under the feed's lock. A gap is asked of the instance's replay socket
+applies what it says to the index under the feed's lock. A ZMQ monitor on each SUB socket reports the publisher's
+disconnection (its process ended), which starts the stream over. A gap is asked of the instance's replay socket
 (``kv_events_replay=``) with a DEALER, as vLLM's ROUTER expects; a replay that does not end within
 ``REPLAY_TIMEOUT_S`` counts as failed. Every odd thing (a gap, a restart, a batch not readable, events of unknown
 types, a batch from another data-parallel rank than the first one seen, the index at its bound) is counted in
@@ -58,6 +59,7 @@ class Subscriber:
         self._wake = self._ctx.socket(zmq.PAIR)
         self._wake.bind(f"inproc://kv-events-wake-{id(self)}")
         self._subs: dict[zmq.Socket[bytes], Feed] = {}
+        self._monitors: dict[zmq.Socket[bytes], Feed] = {}  # each SUB socket's EVENT_DISCONNECTED
         self._replays: dict[zmq.Socket[bytes], tuple[Feed, float]] = {}
         self._poller = zmq.Poller()  # the thread's own, as every socket above but _wake's peer
 
@@ -79,9 +81,14 @@ class Subscriber:
         for feed in self.feeds:
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sub.connect(feed.endpoint)
             poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             self._subs[sub] = feed
+            self._monitors[monitor] = feed
+            with feed.lock:
+                self._run_actions(feed, feed.stream.started())
         while not self._stop.is_set():
             ready = dict(poller.poll(POLL_MS))
             for sock in ready:
@@ -89,6 +96,8 @@ class Subscriber:
                     self._drain(sock, self._subs[sock], self._live)
                 elif sock in self._replays:
                     self._drain(sock, self._replays[sock][0], self._replayed)
+                elif sock in self._monitors:
+                    self._drain(sock, self._monitors[sock], self._disconnected)
             self._expire_replays()
 
     def _drain(self, sock: zmq.Socket[bytes], feed: Feed, handle: Callable[..., None]) -> None:
@@ -128,6 +137,11 @@ class Subscriber:
         clears = any(isinstance(e, kv_wire.AllBlocksCleared) for e in events)
         with feed.lock:
             self._run_actions(feed, feed.stream.live(seq, events, clears))
+
+    def _disconnected(self, sock: zmq.Socket[bytes], feed: Feed, frames: list[bytes]) -> None:
+        self._end_replays(feed)
+        with feed.lock:
+            self._run_actions(feed, feed.stream.disconnected())
 
     def _replayed(self, sock: zmq.Socket[bytes], feed: Feed, frames: list[bytes]) -> None:
         if len(frames) == 4 and frames[2] == kv_wire.END_SEQ:  # (b"", b"", END_SEQ, b""): the ROUTER's end
@@ -175,7 +189,14 @@ class Subscriber:
             elif isinstance(action, Replay):
                 self._ask_replay(feed, action.start)
 
+    def _end_replays(self, feed: Feed) -> None:
+        """At most one replay per feed: an older one's answers belong to what the stream no longer asks."""
+        for sock, (owner, _) in list(self._replays.items()):
+            if owner is feed:
+                self._end_replay(sock)
+
     def _ask_replay(self, feed: Feed, start: int) -> None:
+        self._end_replays(feed)
         self.count(feed.url, "replay", 1)
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.connect(feed.replay_endpoint)

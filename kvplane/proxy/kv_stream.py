@@ -4,7 +4,9 @@ vLLM's ``ZmqEventPublisher`` numbers its batches 0, 1, 2... from its own start (
 ``_seq_gen = count()``), keeps the last ``buffer_steps`` of them for a ROUTER replay socket, and sends nothing while
 its engine caches nothing. So a subscriber sees: the next number (apply it), a number ahead (a gap: batches it
 missed, which replay may fill), a number behind (the publisher restarted, or a duplicate: either way what the index
-holds can no longer be trusted, and replay from 0 rebuilds it), or nothing for a while. Nothing is ambiguous only
+holds can no longer be trusted, and replay from 0 rebuilds it), or nothing for a while. A publisher that closes its
+socket (its process ended; ZMQ tells the subscriber) is a restart too, seen before its new run's numbers come:
+the stream starts over as ``FRESH``. Nothing is ambiguous only
 while the router expects events: a prefill that had to cache new full blocks answered (``expect``) and no batch came
 within the silence limit (``tick``): the instance is then ``SILENT``.
 
@@ -31,6 +33,7 @@ class Phase(Enum):
 
 
 TRANSITIONS: frozenset[tuple[Phase, str, Phase]] = frozenset({
+    (Phase.FRESH, "started", Phase.REPLAYING),
     (Phase.FRESH, "live", Phase.SYNCED), (Phase.FRESH, "live", Phase.REPLAYING), (Phase.FRESH, "live", Phase.LOST),
     (Phase.SYNCED, "live", Phase.SYNCED), (Phase.SYNCED, "live", Phase.REPLAYING), (Phase.SYNCED, "live", Phase.LOST),
     (Phase.SILENT, "live", Phase.SYNCED), (Phase.SILENT, "live", Phase.REPLAYING), (Phase.SILENT, "live", Phase.LOST),
@@ -43,6 +46,7 @@ TRANSITIONS: frozenset[tuple[Phase, str, Phase]] = frozenset({
     (Phase.FRESH, "undecodable", Phase.LOST), (Phase.SYNCED, "undecodable", Phase.LOST),
     (Phase.SILENT, "undecodable", Phase.LOST), (Phase.REPLAYING, "undecodable", Phase.LOST),
     (Phase.LOST, "undecodable", Phase.LOST),
+    *((phase, "disconnected", Phase.FRESH) for phase in Phase),
 })
 
 
@@ -79,6 +83,14 @@ class Stream:
         if (self.phase, event, phase) not in TRANSITIONS:
             raise KvplaneError(f"kv-event stream: no transition {self.phase.name} --{event}--> {phase.name}")
         self.phase = phase
+
+    def started(self) -> list[Action]:
+        """The subscription is open: with a replay socket, what the publisher sent before is asked at once (an
+        empty answer: it has sent nothing, the instance has cached nothing)."""
+        if self.phase is not Phase.FRESH or not self.can_replay:
+            return []
+        self._to(Phase.REPLAYING, "started")
+        return [Replay(0)]
 
     def live(self, seq: int, batch: Any, clears: bool = False) -> list[Action]:
         """A batch from the PUB socket; ``clears``: it holds an ``AllBlocksCleared``."""
@@ -147,6 +159,13 @@ class Stream:
         if self.phase is not Phase.REPLAYING:
             self.next_seq = seq + 1
         return self._lose("undecodable", f"batch {seq} could not be read: {why}")
+
+    def disconnected(self) -> list[Action]:
+        """The publisher's socket closed: whatever comes next is a new run, from its batch 0."""
+        was = self.phase
+        self.next_seq, self.held, self.due_since = 0, [], None
+        self._to(Phase.FRESH, "disconnected")
+        return [] if was is Phase.FRESH else [Forget("the publisher closed its socket (restarted or gone)", True)]
 
     def expect(self, now: float) -> None:
         """A prefill answered that cached new full blocks there: a batch is due."""

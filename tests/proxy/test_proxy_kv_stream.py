@@ -1,11 +1,12 @@
 """The kv-event stream machine against a model of vLLM's publisher: numbered batches, a replay buffer of the last
 ``buffer_steps``, restarts that count from 0 again; a subscriber that misses batches, gets duplicates and
-undecodable ones, and replays that fail. Whatever comes, the machine takes only transitions of its table, and
+undecodable ones, replays that fail, and publishers whose socket closes (restarts ZMQ reports). Whatever comes, the machine takes only transitions of its table, and
 whenever it says ``SYNCED`` the batches applied since it last forgot the index are exactly the publisher's
 batches of one run, in order, with none missing: from its first, or from a batch that cleared the cache.
 
-One race is outside what sequence numbers can tell: a publisher that restarts while a replay is being answered,
-with no live batch of the new run in between. The model restarts only while no replay is pending.
+A restart the numbers alone cannot tell (the new run's numbers reach past the old ones before a batch is seen) is
+seen by the socket: the publisher's process ending closes it, and ZMQ's monitor says so (``disconnect`` here,
+``Subscriber._disconnected``). Numbers that go back (a duplicate, a restart seen late) are ``dup`` here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from kvplane.machines import reachable
 from kvplane.proxy.kv_stream import TRANSITIONS, Apply, Forget, Phase, Replay, Stream
 
-OPS = ["publish", "publish", "publish", "drop", "clear", "restart", "dup", "garbage", "serve", "fail", "due",
+OPS = ["publish", "publish", "publish", "drop", "clear", "disconnect", "dup", "garbage", "serve", "fail", "due",
        "tick"]
 
 
@@ -40,8 +41,8 @@ class World:
             elif isinstance(action, Forget):
                 self.applied = []
             elif isinstance(action, Replay):
-                assert self.pending is None and self.stream.can_replay
-                self.pending = action.start
+                assert self.stream.can_replay
+                self.pending = action.start  # the shell drops a replay still running (Subscriber._end_replays)
 
     def publish(self, clears: bool, delivered: bool) -> None:
         batch = (self.run, len(self.published), clears)
@@ -61,8 +62,9 @@ class World:
         s = self.stream
         if op in ("publish", "drop", "clear"):
             self.publish(op == "clear", op != "drop")
-        elif op == "restart" and self.pending is None:
-            self.run, self.published = self.run + 1, []
+        elif op == "disconnect":  # the publisher's process ended: the socket tells, and the shell drops its replay
+            self.run, self.published, self.pending = self.run + 1, [], None
+            self.take(s.disconnected())
         elif op == "dup" and self.published:
             batch = self.published[pick % len(self.published)]
             self.take(s.live(batch[1], batch, batch[2]))
@@ -84,7 +86,9 @@ class World:
         if self.stream.phase is not Phase.SYNCED:
             return
         seqs = [seq for _, seq, _ in self.applied]
-        assert self.applied, "SYNCED with nothing applied"
+        if not self.applied:  # a replay at start found nothing published
+            assert self.stream.next_seq == 0 and not self.published
+            return
         assert len({run for run, _, _ in self.applied}) == 1, f"batches of two runs applied: {self.applied}"
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), f"a gap or a repeat: {seqs}"
         assert seqs[0] == 0 or self.applied[0][2], f"began at batch {seqs[0]}, which cleared nothing"
@@ -93,10 +97,12 @@ class World:
 
 @settings(max_examples=500, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 50)), max_size=60), st.booleans(),
-       st.integers(1, 6))
+       st.integers(1, 6), st.booleans())
 def test_a_synced_stream_has_applied_one_run_of_batches_whole_and_in_order(
-        ops: list[tuple[str, int]], can_replay: bool, buffer_steps: int) -> None:
+        ops: list[tuple[str, int]], can_replay: bool, buffer_steps: int, start_with_replay: bool) -> None:
     world = World(buffer_steps, Stream(can_replay, 1.0))
+    if start_with_replay:
+        world.take(world.stream.started())
     for op, pick in ops:
         world.step(op, pick)  # a transition outside TRANSITIONS raises
         world.check()
@@ -130,7 +136,7 @@ def test_a_restarted_publisher_without_replay_starts_over_from_its_first_batch()
     world = World(10, Stream(False, 1.0))
     for _ in range(3):
         world.publish(False, True)
-    world.step("restart", 0)
+    world.run, world.published = 1, []  # restarted, and its socket's closing was missed: the numbers go back
     world.publish(False, True)
     assert world.stream.phase is Phase.SYNCED and world.applied == [(1, 0, False)]
 
@@ -143,6 +149,16 @@ def test_a_stream_due_events_goes_silent_and_comes_back_with_the_next_batch() ->
     assert stream.tick(110.5) and stream.phase is Phase.SILENT
     assert stream.live(1, "b1") == [Apply(1, "b1")] and stream.phase is Phase.SYNCED
     assert not stream.tick(1000.0)  # nothing due any more
+
+
+def test_at_start_the_publishers_earlier_batches_are_replayed() -> None:
+    world = World(10, Stream(True, 1.0))
+    world.publish(False, False)  # sent before the subscription was open
+    world.publish(False, False)
+    world.take(world.stream.started())
+    assert world.stream.phase is Phase.REPLAYING and world.pending == 0
+    world.serve_replay()
+    assert world.stream.phase is Phase.SYNCED and [seq for _, seq, _ in world.applied] == [0, 1]
 
 
 def test_every_phase_is_reachable_from_fresh() -> None:
