@@ -15,8 +15,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+import zmq
 from ports import free_port
-from proxyproc import Proc, instance, serve_proxy, until, until_metric
+from proxyproc import WAIT_S, Proc, instance, serve_proxy, until, until_metric
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import BlockStored, EventPublisher, EventPublisherFactory, KVEventBatch
 
@@ -31,6 +32,18 @@ def publisher(port: int, replay: int) -> EventPublisher:
     config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}",
                             replay_endpoint=f"tcp://*:{replay}")
     return EventPublisherFactory.create(config, data_parallel_rank=0)
+
+
+async def rebound(port: int, replay: int) -> EventPublisher:
+    """A new publisher on the ports of one just shut down: libzmq releases them on its own thread, a moment
+    later."""
+    end = time.monotonic() + WAIT_S
+    while True:
+        try:
+            return publisher(port, replay)
+        except zmq.ZMQError:
+            assert time.monotonic() < end, f"ports {port}, {replay} not free again within {WAIT_S:g} s"
+            await asyncio.sleep(0.05)
 
 
 def stored(text: str, salt: str, medium: str = "GPU") -> KVEventBatch:
@@ -116,7 +129,7 @@ def test_the_prefill_holding_the_prompt_gets_it_and_a_silent_or_restarted_one_le
 
             # B restarts: its socket closes, its index is forgotten (a new process hashes with a new seed)
             pub_b.shutdown()
-            publishers[1] = (publisher(port_b, replay_b), port_b, replay_b)
+            publishers[1] = (await rebound(port_b, replay_b), port_b, replay_b)
             await until(lambda: _restarted(publishers[1][0], url, client, prefills[1]), "B's restart seen")
             before = await prefill_counts(client, url, prefills)
             for _ in range(4):
