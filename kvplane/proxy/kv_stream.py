@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any
 
 from kvplane.errors import KvplaneError
+from kvplane.machines import transitions_table as _table
 
 
 class Phase(Enum):
@@ -48,6 +49,12 @@ TRANSITIONS: frozenset[tuple[Phase, str, Phase]] = frozenset({
     (Phase.LOST, "undecodable", Phase.LOST),
     *((phase, "disconnected", Phase.FRESH) for phase in Phase),
 })
+
+
+def transitions_table() -> str:
+    """``TRANSITIONS`` as the markdown table docs/proxy.md carries (a unit test keeps the two equal)."""
+    order = list(Phase)
+    return _table(sorted(TRANSITIONS, key=lambda t: (order.index(t[0]), t[1], order.index(t[2]))))
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,16 @@ seen by the socket: the publisher's process ending closes it, and ZMQ's monitor 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplane.machines import reachable
-from kvplane.proxy.kv_stream import TRANSITIONS, Apply, Forget, Phase, Replay, Stream
+from kvplane.proxy.kv_stream import TRANSITIONS, Apply, Forget, Phase, Replay, Stream, transitions_table
 
 OPS = ["publish", "publish", "publish", "drop", "clear", "disconnect", "dup", "garbage", "serve", "fail", "due",
        "tick"]
@@ -164,3 +166,10 @@ def test_at_start_the_publishers_earlier_batches_are_replayed() -> None:
 
 def test_every_phase_is_reachable_from_fresh() -> None:
     assert reachable(TRANSITIONS, Phase.FRESH) == set(Phase)
+
+
+def test_docs_carry_the_stream_machines_table() -> None:
+    text = (Path(__file__).parents[2] / "docs" / "proxy.md").read_text()
+    block = re.search(r"<!-- kv-stream-transitions:begin -->\n(.*?)\n<!-- kv-stream-transitions:end -->", text, re.S)
+    assert block is not None, "docs/proxy.md: the kv-event stream machine's table is missing"
+    assert block.group(1) == transitions_table(), "docs/proxy.md: paste kv_stream.transitions_table() in"
