@@ -54,7 +54,9 @@ TRANSITIONS: frozenset[tuple[Phase, str, Phase]] = frozenset({
 def transitions_table() -> str:
     """``TRANSITIONS`` as the markdown table docs/proxy.md carries (a unit test keeps the two equal)."""
     order = list(Phase)
-    return _table(sorted(TRANSITIONS, key=lambda t: (order.index(t[0]), t[1], order.index(t[2]))))
+    rows: list[tuple[Phase, str, Phase]] = sorted(TRANSITIONS, key=lambda t: (order.index(t[0]), t[1],
+                                                                                order.index(t[2])))
+    return _table(rows)
 
 
 @dataclass(frozen=True)
