@@ -23,7 +23,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 Hash = bytes | int  # vLLM's ExternalBlockHash
+WIDTH = 8  # bytes per token id in a block's key: the ids as int64, so a key hashes once (bytes cache their hash)
+
+
+def token_bytes(tokens: Sequence[int] | bytes) -> bytes:
+    """A prompt's (or an event's) token ids as the bytes the index keys are cut from; bytes pass as they are."""
+    return tokens if isinstance(tokens, bytes) else np.asarray(tokens, dtype=np.int64).tobytes()
 DEVICE, CPU, STORE = "device", "cpu", "store"
 TIERS = (DEVICE, CPU, STORE)  # in the order a walk prefers them
 
@@ -41,7 +49,7 @@ class PrefixIndex:
         if max_entries < 1:
             raise ValueError(f"max_entries={max_entries!r}: give the most entries the index keeps, 1 or more")
         self.max_entries = max_entries
-        self.children: OrderedDict[tuple[Hash | None, tuple[int, ...]], Hash] = OrderedDict()
+        self.children: OrderedDict[tuple[Hash | None, bytes], Hash] = OrderedDict()
         self.present: dict[str, OrderedDict[Hash, None]] = {tier: OrderedDict() for tier in TIERS}
         self.block_size = 0  # tokens per full block: the largest a device event announced
         self.evicted = 0  # entries dropped at the bound, ever
@@ -52,8 +60,9 @@ class PrefixIndex:
         if plain and block_size > 0 and token_ids and len(token_ids) == len(hashes) * block_size:
             if tier == DEVICE:
                 self.block_size = max(self.block_size, block_size)
+            raw, step = token_bytes(token_ids), block_size * WIDTH
             for i, block_hash in enumerate(hashes):
-                key = (parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+                key = (parent, raw[i * step:(i + 1) * step])
                 self.children[key] = block_hash
                 self.children.move_to_end(key)
                 parent = block_hash
@@ -80,16 +89,18 @@ class PrefixIndex:
         self.children.clear()
         self.block_size = 0
 
-    def hit(self, tokens: Sequence[int]) -> list[str]:
-        """The tier of each leading block of ``tokens`` the instance holds. As vLLM, at most the blocks before the
-        prompt's last token: that one is always computed."""
+    def hit(self, tokens: Sequence[int] | bytes) -> list[str]:
+        """The tier of each leading block of ``tokens`` (ids, or ``token_bytes`` of them: a router asking several
+        indexes converts once) the instance holds. As vLLM, at most the blocks before the prompt's last token: that
+        one is always computed."""
         size = self.block_size
         tiers: list[str] = []
         if not size:
             return tiers
+        raw, step = token_bytes(tokens), size * WIDTH
         parent: Hash | None = None
-        for start in range(0, (len(tokens) - 1) // size * size, size):
-            key = (parent, tuple(tokens[start:start + size]))
+        for start in range(0, (len(raw) // WIDTH - 1) // size * step, step):
+            key = (parent, raw[start:start + step])
             block_hash = self.children.get(key)
             tier = None if block_hash is None else next((t for t in TIERS if block_hash in self.present[t]), None)
             if block_hash is None or tier is None:

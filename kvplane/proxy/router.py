@@ -20,7 +20,7 @@ from typing import Any
 from kvplane.proxy import kv_cost
 from kvplane.proxy.config import ProxyConfig
 from kvplane.proxy.kv_events import Feed, Subscriber
-from kvplane.proxy.kv_index import PrefixIndex
+from kvplane.proxy.kv_index import PrefixIndex, token_bytes
 from kvplane.proxy.kv_stream import Phase, Stream
 from kvplane.proxy.metrics import ProxyMetrics
 
@@ -78,9 +78,10 @@ class KvRouter:
             return Plan(None, how)
         scores: dict[str, float] = {}
         plan = Plan(scores, how)
+        raw = token_bytes(tokens)
         for url, feed in self.feeds.items():
             with feed.lock:
-                tiers, size = feed.index.hit(tokens), feed.index.block_size
+                tiers, size = feed.index.hit(raw), feed.index.block_size
             scores[url] = kv_cost.weighted(tiers, size)
             plan.hits[url] = len(tiers) * size
             plan.due[url] = size > 0 and len(tiers) < (len(tokens) - 1) // size
