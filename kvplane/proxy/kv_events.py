@@ -66,6 +66,11 @@ class Subscriber:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """False once started and its thread has ended (closed, or a bug of the proxy, logged with its traceback)."""
+        return self._thread.ident is None or self._thread.is_alive()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
@@ -76,6 +81,12 @@ class Subscriber:
         self._ctx.destroy(linger=0)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception:  # the router then serves by load (KvRouter.in_step: "stopped")
+            logger.exception("kvplane proxy: the kv-event subscriber failed; routing by load from now on")
+
+    def _serve(self) -> None:
         poller = self._poller
         poller.register(self._wake, zmq.POLLIN)
         for feed in self.feeds:
@@ -140,6 +151,7 @@ class Subscriber:
 
     def _disconnected(self, sock: zmq.Socket[bytes], feed: Feed, frames: list[bytes]) -> None:
         self._end_replays(feed)
+        feed.dp_rank = None
         with feed.lock:
             self._run_actions(feed, feed.stream.disconnected())
 

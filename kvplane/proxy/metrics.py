@@ -12,7 +12,8 @@
 ``--policy kv-aware`` (``router.py``):
 
 - ``kvplane_proxy_kv_decisions_total{how}``: prefill picks by prefix hit and load (``kv``), or by load alone and
-  why (``no_tokens``, or the phase of a stream not in step: ``fresh``, ``replaying``, ``silent``, ``lost``);
+  why (``no_tokens``, ``stopped``, or the phase of a stream not in step: ``fresh``, ``replaying``, ``silent``,
+  ``lost``);
 - ``kvplane_proxy_kv_events_total{url, outcome}``: per instance, batches applied (``batch``) and each odd thing:
   ``replay``, ``restart``, ``lost``, ``silent``, ``bad_frame``, ``unknown_source``, ``unknown_event``, and
   ``evicted`` (index entries dropped at ``--kv-index-entries``);

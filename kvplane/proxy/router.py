@@ -56,8 +56,11 @@ class KvRouter:
         self.subscriber.close()
 
     def in_step(self, now: float | None = None) -> str:
-        """``"kv"`` while every stream is ``SYNCED``, else the lower-case phase of the first that is not."""
+        """``"kv"`` while every stream is ``SYNCED``, else the lower-case phase of the first that is not
+        (``"stopped"``: the subscriber's thread ended)."""
         now = time.monotonic() if now is None else now
+        if not self.subscriber.alive:
+            return "stopped"
         for feed in self.feeds.values():
             with feed.lock:
                 if feed.stream.tick(now):
