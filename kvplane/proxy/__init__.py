@@ -6,11 +6,14 @@ decode's answer back. Built on aiohttp (server and client). The pieces, one idea
 
 - ``config.py``: ``ProxyConfig`` and ``Instance`` (an instance's URL and, for push modes, its side channel);
 - ``errors.py``: ``ProxyError``, an HTTP status, a cause label and a message, answered as a JSON body;
-- ``pool.py``: instance selection (round-robin, least outstanding requests) over the healthy instances;
+- ``pool.py``: instance selection (round-robin, least outstanding requests, kv-aware) over the healthy instances;
 - ``health.py``: the ``GET /health`` checks that take an instance out and put it back;
 - ``legs.py``: one HTTP call to an instance, with its timeout, mapped to ``ProxyError`` on every failure;
 - ``bodies.py``: checking the client's request and building each leg's body;
 - ``flows.py``: pull (prefill, then decode) and push / layer-wise (both at once);
+- ``router.py`` (``--policy kv-aware``): the prefill holding most of the prompt, from ``kv_index.py`` (prefixes per
+  instance and tier), ``kv_stream.py`` (whether an instance's event stream is in step), ``kv_events.py`` and
+  ``kv_wire.py`` (the subscriber of vLLM's KV events), ``kv_cost.py`` (what a hit is worth) and ``prompt_ids.py``;
 - ``metrics.py``: the Prometheus metrics; ``app.py``: the aiohttp application; ``cli.py``: the subcommand.
 
 aiohttp and prometheus_client (the ``proxy`` extra) are imported by ``app.py`` only, when the proxy is built.

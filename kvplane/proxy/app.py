@@ -4,8 +4,8 @@
 Each request gets an ``X-Request-Id`` (the client's, or a fresh one), which both legs carry and the answer
 repeats. A streamed answer is passed through from the decode as it comes (SSE); a failure after the first byte
 ends the stream with an ``data: {"error": ...}`` event, as vLLM does. Every failure before it is a JSON error
-body with the HTTP status of its ``ProxyError``. The app owns one client session (pooled connections) and the
-health-check task; its cleanup closes both, and aiohttp's shutdown gives in-flight requests
+body with the HTTP status of its ``ProxyError``. The app owns one client session (pooled connections), the
+health-check task and, with ``--policy kv-aware``, the KV-event subscriber's thread; its cleanup closes them, and aiohttp's shutdown gives in-flight requests
 ``shutdown_timeout_s`` before cancelling them (cancelling a leg closes its connection).
 """
 
@@ -30,6 +30,7 @@ from kvplane.proxy.health import record_unreachable, run_checks
 from kvplane.proxy.legs import DecodeAnswer, call_get, rest_of_stream
 from kvplane.proxy.metrics import ProxyMetrics
 from kvplane.proxy.pool import InstancePool
+from kvplane.proxy.router import KvRouter
 
 logger = logging.getLogger("kvplane.proxy")
 FORWARDED = ("Authorization",)
@@ -47,6 +48,7 @@ class ProxyState:
         self.session: aiohttp.ClientSession | None = None
         self.health: asyncio.Task[None] | None = None
         self.push_ids: set[str] = set()  # X-Request-Ids in flight (push modes)
+        self.router = KvRouter.from_config(config, self.metrics)  # --policy kv-aware; started with the session
         for pool in (self.prefill, self.decode):
             for inst in pool.instances:
                 self.metrics.instance_up.labels(inst.role, inst.url).set(1)
@@ -76,7 +78,8 @@ class ProxyState:
         def unreachable(inst: Instance, why: str) -> None:
             record_unreachable(self.prefill if inst.role == "prefill" else self.decode, self.metrics, inst, why)
 
-        return flows.Route(self.config, self.session, self.prefill, self.decode, self.metrics, unreachable)
+        return flows.Route(self.config, self.session, self.prefill, self.decode, self.metrics, unreachable,
+                           self.router)
 
 
 STATE = web.AppKey("kvplane_proxy", ProxyState)
@@ -100,9 +103,13 @@ async def _session(app: web.Application) -> AsyncIterator[None]:
     state.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     state.health = asyncio.create_task(run_checks(state.session, [state.prefill, state.decode], state.metrics,
                                                   c.health_interval_s, c.health_timeout_s))
+    if state.router is not None:
+        state.router.start()
     try:
         yield
     finally:
+        if state.router is not None:
+            state.router.close()
         state.health.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await state.health

@@ -15,11 +15,18 @@ from kvplane.proxy.config import ON_PREFILL_FAILURE, ON_TRANSFER_FAILURE, POLICI
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", action="append", required=True, metavar="URL[,engine_id=ID,side_channel=H:P]",
-                   help="a prefill instance (repeat for several); push modes need engine_id and side_channel")
+    p.add_argument("--prefill", action="append", required=True,
+                   metavar="URL[,engine_id=ID,side_channel=H:P,kv_events=tcp://H:P,kv_events_replay=tcp://H:P]",
+                   help="a prefill instance (repeat for several); push modes need engine_id and side_channel, "
+                        "--policy kv-aware kv_events")
     p.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode instance (repeat)")
     p.add_argument("--mode", choices=MODES, default="pull", help="kvplane's disagg.mode on the instances")
-    p.add_argument("--policy", choices=POLICIES, default="round-robin", help="instance selection")
+    p.add_argument("--policy", choices=POLICIES, default="round-robin",
+                   help="instance selection; kv-aware: the prefill holding most of the prompt, against load")
+    p.add_argument("--kv-index-entries", type=int, default=100_000,
+                   help="kv-aware: most entries of the prefix index per instance and tier (least recent go first)")
+    p.add_argument("--kv-silence", type=float, default=10.0,
+                   help="kv-aware: seconds a prefill may stay without KV events after caching new blocks")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for the whole prefill leg")
@@ -45,7 +52,8 @@ def config_from(args: argparse.Namespace) -> ProxyConfig:
         connect_timeout_s=args.connect_timeout, health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout, health_failures=args.health_failures,
         on_prefill_failure=args.on_prefill_failure, on_transfer_failure=args.on_transfer_failure,
-        shutdown_timeout_s=args.shutdown_timeout,
+        shutdown_timeout_s=args.shutdown_timeout, kv_index_entries=args.kv_index_entries,
+        kv_silence_s=args.kv_silence,
     )
 
 

@@ -7,8 +7,13 @@ command line, one ``--prefill`` per instance::
 
     --prefill http://10.0.0.7:8100,engine_id=prefill-0,side_channel=10.0.0.7:5600,tp_size=1
 
-(``side_channel`` defaults to the URL's host with no port, which pull mode does not need.) Every check runs at
-startup and names the flag, the value and the fix.
+(``side_channel`` defaults to the URL's host with no port, which pull mode does not need.) ``--policy kv-aware``
+needs, per prefill, the address of its vLLM KV-event publisher (``--kv-events-config``'s ``endpoint``, and its
+``replay_endpoint`` to fill gaps)::
+
+    --prefill http://10.0.0.7:8100,kv_events=tcp://10.0.0.7:5557,kv_events_replay=tcp://10.0.0.7:5558
+
+Every check runs at startup and names the flag, the value and the fix.
 """
 
 from __future__ import annotations
@@ -20,13 +25,13 @@ from urllib.parse import urlsplit
 from kvplane.flows.disagg.wire.config import MODES, Mode
 from kvplane.proxy.errors import ProxyConfigError
 
-Policy = Literal["round-robin", "least-outstanding"]
-POLICIES: tuple[Policy, ...] = ("round-robin", "least-outstanding")
+Policy = Literal["round-robin", "least-outstanding", "kv-aware"]
+POLICIES: tuple[Policy, ...] = ("round-robin", "least-outstanding", "kv-aware")
 OnPrefillFailure = Literal["error", "decode-only"]
 ON_PREFILL_FAILURE: tuple[OnPrefillFailure, ...] = ("error", "decode-only")
 OnTransferFailure = Literal["error", "retry-plain"]
 ON_TRANSFER_FAILURE: tuple[OnTransferFailure, ...] = ("error", "retry-plain")
-INSTANCE_KEYS = ("engine_id", "side_channel", "tp_size")
+INSTANCE_KEYS = ("engine_id", "side_channel", "tp_size", "kv_events", "kv_events_replay")
 
 
 @dataclass(frozen=True)
@@ -37,10 +42,13 @@ class Instance:
     side_host: str = ""
     side_port: int = 0
     tp_size: int = 1
+    kv_events: str = ""  # tcp://HOST:PORT of its vLLM KV-event PUB socket
+    kv_events_replay: str = ""  # tcp://HOST:PORT of its replay ROUTER socket
 
     @classmethod
     def parse(cls, text: str, role: str) -> Instance:
-        """``URL[,engine_id=ID][,side_channel=HOST:PORT][,tp_size=N]`` (the ``--prefill`` / ``--decode`` value)."""
+        """``URL[,engine_id=ID][,side_channel=HOST:PORT][,tp_size=N][,kv_events=tcp://H:P][,kv_events_replay=tcp://H:P]``
+        (the ``--prefill`` / ``--decode`` value)."""
         url, *options = [part.strip() for part in text.split(",")]
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
@@ -63,7 +71,23 @@ class Instance:
         tp = values.get("tp_size", "1")
         if not tp.isdigit() or int(tp) < 1:
             raise ProxyConfigError(f"--{role} {text!r}: tp_size={tp!r} is not a positive integer")
-        return cls(url.rstrip("/"), role, values.get("engine_id", ""), side_host, side_port, int(tp))
+        for key in ("kv_events", "kv_events_replay"):
+            if key in values:
+                _check_zmq_address(role, text, key, values[key])
+        return cls(url.rstrip("/"), role, values.get("engine_id", ""), side_host, side_port, int(tp),
+                   values.get("kv_events", ""), values.get("kv_events_replay", ""))
+
+
+def _check_zmq_address(role: str, text: str, key: str, address: str) -> None:
+    """An address the proxy connects to: ``tcp://HOST:PORT`` (vLLM's ``tcp://*:5557`` is where the instance binds;
+    the proxy names the instance's host instead) or ``ipc://PATH``."""
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    tcp_ok = scheme == "tcp" and colon and host and host != "*" and port.isdigit() and 0 < int(port) < 65536
+    if not sep or not (tcp_ok or (scheme == "ipc" and rest)):
+        raise ProxyConfigError(f"--{role} {text!r}: {key}={address!r} is not tcp://HOST:PORT (or ipc://PATH); give "
+                               f"the instance's host and the port of its --kv-events-config "
+                               f"{'endpoint' if key == 'kv_events' else 'replay_endpoint'}")
 
 
 @dataclass(frozen=True)
@@ -94,6 +118,8 @@ class ProxyConfig:
     on_prefill_failure: OnPrefillFailure = "error"
     on_transfer_failure: OnTransferFailure = "error"
     shutdown_timeout_s: float = 30.0
+    kv_index_entries: int = 100_000
+    kv_silence_s: float = 10.0
     max_body_bytes: int = 64 << 20
     extra_headers: dict[str, str] = field(default_factory=dict)
 
@@ -115,9 +141,10 @@ class ProxyConfig:
             raise ProxyConfigError(f"--health-failures {self.health_failures!r}: give the number of failed health "
                                    f"checks in a row that take an instance out of rotation, 1 or more")
         for name in ("prefill_timeout_s", "decode_timeout_s", "connect_timeout_s", "health_interval_s",
-                     "health_timeout_s", "shutdown_timeout_s"):
+                     "health_timeout_s", "shutdown_timeout_s", "kv_silence_s"):
             if not getattr(self, name) > 0:
                 raise ProxyConfigError(f"{name}={getattr(self, name)!r} must be > 0")
+        self._check_kv_aware()
         if self.mode != "pull":
             for inst in self.prefill:
                 if not inst.engine_id or not inst.side_port:
@@ -127,3 +154,18 @@ class ProxyConfig:
                         f"--prefill {inst.url},engine_id=ID,side_channel=HOST:PORT (the prefill's "
                         f"kv_transfer_config.engine_id and kvplane disagg.host:disagg.port)"
                     )
+
+    def _check_kv_aware(self) -> None:
+        if not self.kv_index_entries >= 1:
+            raise ProxyConfigError(f"--kv-index-entries {self.kv_index_entries!r}: give the most entries the prefix "
+                                   f"index keeps per instance and tier, 1 or more")
+        if self.policy != "kv-aware":
+            return
+        for inst in self.prefill:
+            if not inst.kv_events:
+                raise ProxyConfigError(
+                    f"--policy kv-aware needs each prefill's KV-event publisher, --prefill {inst.url} has no "
+                    f"kv_events=; give --prefill {inst.url},kv_events=tcp://HOST:5557[,kv_events_replay="
+                    f"tcp://HOST:5558] (start vLLM with --kv-events-config '{{\"enable_kv_cache_events\": true, "
+                    f"\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                    f"\"tcp://*:5558\"}}' and prefix caching on), or use another --policy")

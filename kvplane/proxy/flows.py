@@ -7,6 +7,10 @@
   (``tokens.new_token``), so the prefill pushes only to that decode. The decode's answer is held until the
   prefill has answered: a decode that answers first is delivered only if the prefill then succeeds.
 
+With ``--policy kv-aware`` the prefill is picked by the router's plan (``router.py``): the prompt's token ids
+(given, or from an instance's ``/tokenize``, ``prompt_ids.py``) looked up in each prefill's prefix index; the
+prefill's answer then tells the router what it really found cached.
+
 ``serve`` runs the mode's flow on a decode instance it leases (``InstancePool.acquire``); the caller releases it
 after the whole answer, streaming included, so that least-outstanding selection counts it until the last byte. A
 prefill failure is answered as a ``ProxyError`` or, with ``--on-prefill-failure decode-only``, by sending the
@@ -27,12 +31,13 @@ from typing import Any
 import aiohttp
 
 from kvplane.flows.disagg.wire.tokens import new_token
-from kvplane.proxy import bodies
+from kvplane.proxy import bodies, prompt_ids
 from kvplane.proxy.config import Instance, ProxyConfig
 from kvplane.proxy.errors import ProxyError
 from kvplane.proxy.legs import DecodeAnswer, Unreachable, call_prefill, first_event_error, open_decode
 from kvplane.proxy.metrics import ProxyMetrics
 from kvplane.proxy.pool import InstancePool
+from kvplane.proxy.router import KvRouter, Plan
 
 logger = logging.getLogger("kvplane.proxy")
 
@@ -61,16 +66,35 @@ class Route:
     decode: InstancePool
     metrics: ProxyMetrics
     unreachable: Unreachable
+    router: KvRouter | None = None
+
+
+async def kv_plan(route: Route, path: str, body: dict[str, Any], headers: dict[str, str]) -> Plan | None:
+    """The router's plan for this request (None without ``--policy kv-aware``). The prompt is tokenized only while
+    every stream is in step: else the pick is by load and the ids would serve nothing."""
+    if route.router is None:
+        return None
+    if route.router.in_step() != "kv":
+        return route.router.plan(None)
+    pool = route.prefill
+    inst = next((i for i in pool.instances if pool.up[i.url]), pool.instances[0])
+    start = time.perf_counter()
+    tokens = await prompt_ids.prompt_ids(route.session, inst, path, body, headers, route.config.connect_timeout_s)
+    route.metrics.leg_seconds.labels("tokenize").observe(time.perf_counter() - start)
+    return route.router.plan(tokens)
 
 
 async def _prefill(route: Route, inst: Instance, path: str, body: dict[str, Any],
-                   headers: dict[str, str]) -> dict[str, Any]:
+                   headers: dict[str, str], plan: Plan | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     c = route.config
     route.metrics.instance_requests.labels(inst.role, inst.url).inc()
     try:
-        return await call_prefill(route.session, inst, path, body, headers, c.prefill_timeout_s,
-                                  c.connect_timeout_s, route.unreachable)
+        answer = await call_prefill(route.session, inst, path, body, headers, c.prefill_timeout_s,
+                                    c.connect_timeout_s, route.unreachable)
+        if route.router is not None:
+            route.router.answered(inst.url, plan, answer)
+        return answer
     except ProxyError as e:
         if e.status >= 500:  # the instance's failure, not the client's: it is now the most recently failed
             route.prefill.failed(inst)
@@ -112,11 +136,12 @@ async def serve(route: Route, path: str, body: dict[str, Any], headers: dict[str
     """The decode's opened answer to a checked request, and the outcome (``ok``, ``fallback``, ``retried``). The
     answer's instance (``answer.inst``) stays leased: the caller releases it (``route.decode.release``) after
     the answer's last byte."""
+    plan = await kv_plan(route, path, body, headers)
     d_inst = route.decode.acquire()
     try:
         if route.config.mode == "pull":
-            return await pull(route, d_inst, path, body, headers)
-        return await push(route, d_inst, path, body, headers, request_id)
+            return await pull(route, d_inst, path, body, headers, plan)
+        return await push(route, d_inst, path, body, headers, request_id, plan)
     except TransferFault as e:
         route.decode.release(d_inst)
         if route.config.on_transfer_failure != "retry-plain":
@@ -166,11 +191,11 @@ def _may_fall_back(route: Route, e: ProxyError) -> bool:
     return True
 
 
-async def pull(route: Route, d_inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
-               ) -> tuple[DecodeAnswer, str]:
+async def pull(route: Route, d_inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str],
+               plan: Plan | None = None) -> tuple[DecodeAnswer, str]:
     try:
-        with route.prefill.lease() as p_inst:
-            answer = await _prefill(route, p_inst, path, bodies.prefill_body(body), headers)
+        with route.prefill.lease(scores=plan.scores if plan else None) as p_inst:
+            answer = await _prefill(route, p_inst, path, bodies.prefill_body(body), headers, plan)
             params: dict[str, Any] | None = _returned_params(p_inst, path, answer)
             outcome = "ok"
     except ProxyError as e:
@@ -181,12 +206,13 @@ async def pull(route: Route, d_inst: Instance, path: str, body: dict[str, Any], 
 
 
 async def push(route: Route, d_inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str],
-               request_id: str) -> tuple[DecodeAnswer, str]:
+               request_id: str, plan: Plan | None = None) -> tuple[DecodeAnswer, str]:
     token = new_token()
-    with route.prefill.lease() as p_inst:
+    with route.prefill.lease(scores=plan.scores if plan else None) as p_inst:
         params = bodies.push_params(p_inst, path, request_id, route.config.mode, token)
         decoding = asyncio.ensure_future(_decode(route, d_inst, path, bodies.decode_body(body, params), headers))
-        prefilling = asyncio.ensure_future(_prefill(route, p_inst, path, bodies.prefill_body(body, token), headers))
+        prefilling = asyncio.ensure_future(_prefill(route, p_inst, path, bodies.prefill_body(body, token), headers,
+                                                    plan))
         try:
             await asyncio.wait({decoding, prefilling}, return_when=asyncio.FIRST_COMPLETED)
             if decoding.done() and not prefilling.done() and decoding.exception() is not None:

@@ -5,8 +5,10 @@ failed, when it last failed (a health check or a request: a sequence number, not
 it is serving. An instance leaves rotation after ``health_failures`` failed checks in a row (``after_check``), or
 at once when a request cannot connect to it; one passing check puts it back.
 
-``pick`` chooses among the instances in rotation: round-robin, or least outstanding requests (ties in round-robin
-order). While none of the role is up it does not refuse: it picks the least recently failed instance, so a sole
+``pick`` chooses among the instances in rotation: round-robin, least outstanding requests (ties in round-robin
+order), or kv-aware: the highest ``kv_cost.value`` of the router's weighted hit tokens (``scores``) and the
+outstanding requests; without scores (the router serves by load) kv-aware is least outstanding. While none of the
+role is up it does not refuse: it picks the least recently failed instance, so a sole
 instance that answers its health checks late still gets the request, and only the request's own failure is
 answered. ``lease`` (or ``acquire`` then ``release``) counts the request on the instance until it ends.
 """
@@ -17,6 +19,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvplane.proxy.config import Instance, Policy
+from kvplane.proxy.kv_cost import value
+
+Scores = dict[str, float]  # weighted hit tokens per instance URL (router.py)
 
 
 def after_check(up: bool, failures: int, ok: bool, threshold: int) -> tuple[bool, int]:
@@ -41,25 +46,28 @@ class InstancePool:
         self._failures_seen = 0
         self._next = 0
 
-    def pick(self, avoid: str = "") -> Instance:
+    def pick(self, avoid: str = "", scores: Scores | None = None) -> Instance:
         """The next instance. ``avoid`` (a URL) is skipped while another instance of the pool is a candidate: in
-        rotation, or, with none up, any other."""
+        rotation, or, with none up, any other. ``scores`` count with ``--policy kv-aware`` only."""
         n = len(self.instances)
         order = [self.instances[(self._next + i) % n] for i in range(n)]
         healthy = [inst for inst in order if self.up[inst.url]]
         candidates = [inst for inst in healthy or order if inst.url != avoid] or healthy or order
         if not healthy:  # none up: still sent, to the least recently failed (ties: round-robin order)
             chosen = min(candidates, key=lambda inst: self.failed_at[inst.url])
-        elif self.policy == "least-outstanding":
+        elif self.policy == "kv-aware" and scores is not None:
+            chosen = max(candidates, key=lambda inst: (value(scores.get(inst.url, 0.0), self.outstanding[inst.url]),
+                                                       -self.outstanding[inst.url]))  # ties: round-robin order
+        elif self.policy in ("least-outstanding", "kv-aware"):
             chosen = min(candidates, key=lambda inst: self.outstanding[inst.url])  # ties: round-robin order
         else:
             chosen = candidates[0]
         self._next = (self.instances.index(chosen) + 1) % n
         return chosen
 
-    def acquire(self, avoid: str = "") -> Instance:
+    def acquire(self, avoid: str = "", scores: Scores | None = None) -> Instance:
         """``pick``, counted as outstanding until ``release``."""
-        inst = self.pick(avoid)
+        inst = self.pick(avoid, scores)
         self.outstanding[inst.url] += 1
         return inst
 
@@ -67,8 +75,8 @@ class InstancePool:
         self.outstanding[inst.url] -= 1
 
     @contextmanager
-    def lease(self, avoid: str = "") -> Iterator[Instance]:
-        inst = self.acquire(avoid)
+    def lease(self, avoid: str = "", scores: Scores | None = None) -> Iterator[Instance]:
+        inst = self.acquire(avoid, scores)
         try:
             yield inst
         finally:

@@ -12,6 +12,8 @@ One port per behaviour ``B`` (the ready file maps each to its port):
   ``kv_load_failure_policy=fail``: HTTP 500 with its error body, or, streamed, HTTP 200 whose first event is that
   error, then ``[DONE]``; a request without them is answered as ``ok`` answers.
 
+``POST /tokenize`` answers vLLM's ``TokenizeResponse`` for a completions ``prompt`` or chat ``messages``: a token
+per character (``ord % 1000``; chat: the messages' contents joined by newlines).
 ``GET /v1/models`` answers a model list naming the port (``ok``...), or misbehaves as the completions do
 (``fail``, ``reject``, ``garbage``, ``hang``, ``reset``). ``GET /health`` answers 200, or 503 after ``POST /health/down`` (``POST /health/up`` restores it). Handlers of
 this process may hang forever: it runs apart from the test so that they count in no leak check.
@@ -106,6 +108,12 @@ def behaviour(kind: str, port: int) -> Any:
                                   "echo": {"x_request_id": request.headers.get("X-Request-Id"),
                                            "authorization": request.headers.get("Authorization")}})
 
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        text = body["prompt"] if "prompt" in body else "\n".join(str(m.get("content", "")) for m in body["messages"])
+        tokens = [ord(c) % 1000 for c in text]
+        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens, "token_strs": None})
+
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"up": healthy["up"]}, status=200 if healthy["up"] else 503)
 
@@ -117,6 +125,7 @@ def behaviour(kind: str, port: int) -> Any:
     app.router.add_post("/v1/completions", serve)
     app.router.add_post("/v1/chat/completions", serve)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/health", health)
     app.router.add_post("/health/{state}", set_health)
     return app
