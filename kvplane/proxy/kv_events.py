@@ -27,7 +27,6 @@ from kvplane.proxy.kv_stream import Action, Apply, Forget, Replay, Stream
 
 logger = logging.getLogger("kvplane.proxy")
 REPLAY_TIMEOUT_S = 5.0
-POLL_MS = 1000  # only bounds how late a replay timeout or close is noticed
 Count = Callable[[str, str, int], None]  # (instance URL, outcome, how many)
 
 
@@ -101,7 +100,7 @@ class Subscriber:
             with feed.lock:
                 self._run_actions(feed, feed.stream.started())
         while not self._stop.is_set():
-            ready = dict(poller.poll(POLL_MS))
+            ready = dict(poller.poll(self._poll_ms()))
             for sock in ready:
                 if sock in self._subs:
                     self._drain(sock, self._subs[sock], self._live)
@@ -173,6 +172,13 @@ class Subscriber:
             return
         with feed.lock:
             self._run_actions(feed, feed.stream.replayed(seq, events))
+
+    def _poll_ms(self) -> int | None:
+        """Until the first replay's deadline; none pending: until a socket is readable (close wakes ``_wake``)."""
+        if not self._replays:
+            return None
+        deadline = min(deadline for _, deadline in self._replays.values())
+        return max(1, int((deadline - time.monotonic()) * 1000) + 1)
 
     def _expire_replays(self) -> None:
         now = time.monotonic()
