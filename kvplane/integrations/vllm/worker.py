@@ -26,6 +26,7 @@ from kvplane.integrations.vllm.lookup import LookupServer, lookup_address
 from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Send
 from kvplane.integrations.vllm.receives import decline, finished_receives, skipping_groups, start_receives
 from kvplane.integrations.vllm.spec import layouts_for, spec_from_vllm
+from kvplane.integrations.vllm.tier_events import TierEvents
 from kvplane.integrations.vllm.worker_book import WorkerBook
 from kvplane.kv.binding import LayoutChoice, check_whole_allocations, matching_layouts, regions_from_tensors
 from kvplane.kv.layouts import LayerValue, Layout
@@ -61,6 +62,8 @@ class WorkerSide:
         self._saves_started = False
         self._skipping = skipping_groups(kv_cache_config)  # groups whose prefix-cache hits a receive leaves out
         self.counters = dict.fromkeys(EVENTS, 0)
+        self.kv_events = False  # vLLM publishes KV events: the offload tiers report to ``tier_events``
+        self.tier_events: TierEvents | None = None
 
     # -- setup --------------------------------------------------------------------------------------------
     def register_kv_caches(
@@ -83,6 +86,9 @@ class WorkerSide:
         if self.config.offload is not None:
             self.offload = OffloadEngine(backend, self.spec, kv_caches, self.config.offload, layouts=layouts,
                                          tp_rank=self.tp_rank, tp_size=self.config.tp_size)
+            if self.kv_events:
+                self.tier_events = TierEvents({g: p.num_blocks for g, p in self.offload.index.pools.items()})
+                self.offload.listen(self.tier_events)
             if self.tp_rank == 0:
                 self.holds = LookupHolds(self.offload)
                 self.lookup_server = LookupServer(
@@ -237,6 +243,8 @@ class WorkerSide:
         or when the scheduler releases it."""
         if meta.loads:
             waited = [j for j in meta.loads if j.wait_in_vllm]  # reported like receives (several groups)
+            if self.tier_events is not None:
+                self.tier_events.expect_loads(meta.loads)
             try:
                 loaded = offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads], in_store)
                 self.counters["loads"] += len(meta.loads)
@@ -260,7 +268,7 @@ class WorkerSide:
         """A store kvplane refuses is skipped (a later miss)."""
         for job in meta.stores:
             try:
-                offload.start_store(job.request_id, job.hashes, job.block_ids)
+                offload.start_store(job.request_id, job.hashes, job.block_ids, job.tags)
                 self.counters["stores"] += 1
             except KvplaneError as e:
                 logger.warning("kvplane: store of request %s skipped: %s", job.request_id, e)
@@ -336,6 +344,12 @@ class WorkerSide:
                     self._load_errors.update(c.all_failed_block_ids())
             recving.add(c.request_id)
         return sending, recving
+
+    def take_kv_events(self) -> list[Any]:  # vLLM's model runner takes them every step
+        if self.tier_events is None:
+            return []
+        with self._lock:
+            return self.tier_events.take()
 
     def take_failed_requests(self) -> set[str]:
         """Receives that failed, by request id (reported with ``get_finished``'s receives, or by the next call)."""

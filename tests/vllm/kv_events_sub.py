@@ -1,0 +1,68 @@
+"""A subscriber to vLLM's ``ZmqEventPublisher``: a zmq SUB socket, each batch decoded with vLLM's own
+``msgspec`` decoder for ``KVEventBatch`` (the wire form is ``(topic, seq, payload)``, kv_events.py)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+
+class Subscriber:
+    def __init__(self, endpoint: str) -> None:
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.events: list[Any] = []
+
+    def join(self, publisher: Any, within_s: float = 30.0) -> None:
+        """Publish empty batches through vLLM's publisher until one arrives: the subscription is live (a SUB
+        that joins late misses what was published before)."""
+        end = time.monotonic() + within_s
+        while time.monotonic() < end:
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+            if self._socket.poll(100):
+                self._read()
+                return
+        raise AssertionError(f"no batch from vLLM's publisher within {within_s} s")
+
+    def _read(self) -> None:
+        while self._socket.poll(0):
+            _topic, _seq, payload = self._socket.recv_multipart()
+            self.events.extend(self._decoder.decode(payload).events)
+
+    def until(self, done: Callable[[list[Any]], bool], step: Callable[[], None], within_s: float = 30.0) -> None:
+        """Read batches (stepping the engine between reads) until ``done(self.events)``."""
+        end = time.monotonic() + within_s
+        for _ in itertools.count():
+            self._read()
+            if done(self.events):
+                return
+            if time.monotonic() > end:
+                raise AssertionError(f"not seen within {within_s} s; events so far: {self.events}")
+            step()
+            self._socket.poll(20)
+
+    def stored(self, medium: str, group: int | None = None) -> list[Any]:
+        """The hashes of every ``BlockStored`` of ``medium`` (and group), in order."""
+        return [h for e in self.events if isinstance(e, BlockStored) and e.medium == medium
+                and (group is None or e.group_idx == group) for h in e.block_hashes]
+
+    def removed(self, medium: str, group: int | None = None) -> list[Any]:
+        return [h for e in self.events if isinstance(e, BlockRemoved) and e.medium == medium
+                and (group is None or e.group_idx == group) for h in e.block_hashes]
+
+    def of(self, cls: type, medium: str) -> list[Any]:
+        return [e for e in self.events if isinstance(e, cls) and e.medium == medium]
+
+    def close(self) -> None:
+        self._socket.close()
+        self._context.term()

@@ -1,0 +1,58 @@
+"""kvplane's tiers publish vLLM KV events through vLLM's own machinery: vLLM's real ``Scheduler`` with
+``kv_events_config`` takes them from the connector (``take_events``) and publishes them with its own
+``ZmqEventPublisher``; a zmq SUB socket reads them back with vLLM's decoder. Runs on both vLLM versions."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
+
+from kv_events_sub import Subscriber  # noqa: E402
+from realsched import BLOCK, RealEngine  # noqa: E402
+from vllm.distributed.kv_events import BlockStored  # noqa: E402
+
+PROMPT = [(i * 31 + 7) % 997 for i in range(70)]  # 4 full blocks of 16, and 6 tokens
+OTHER = [(i * 17 + 3) % 997 for i in range(70)]
+BLOCK_BYTES = 2 * BLOCK * 2 * 2 * 8 * 4  # 2 layers x 16 tokens x (K and V) x HEADS x HEAD_DIM x float32
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path) -> Iterator[str]:
+    path = tmp_path / f"kv-events-{uuid.uuid4().hex[:8]}.sock"
+    yield f"ipc://{path}"
+    if path.exists():
+        os.unlink(path)
+
+
+def events_engine(model_dir: str, endpoint: str, engines: list[RealEngine], host_bytes: int = 4 << 20,
+                  **kwargs: object) -> tuple[RealEngine, Subscriber]:
+    engine = RealEngine(model_dir, {"offload": {"host_bytes": host_bytes, "pinned": False}}, kv_events=endpoint,
+                        prefix_caching=True, **kwargs)  # type: ignore[arg-type]
+    engines.append(engine)
+    sub = Subscriber(endpoint)
+    sub.join(engine.scheduler.kv_event_publisher)
+    return engine, sub
+
+
+def test_the_host_tier_announces_the_hashes_vllm_announces_for_the_same_blocks_on_the_device(
+    model_dir: str, endpoint: str, engines: list[RealEngine]
+) -> None:
+    engine, sub = events_engine(model_dir, endpoint, engines)
+    try:
+        engine.add("a", PROMPT)
+        engine.finish("a")
+        sub.until(lambda _: len(sub.stored("CPU")) >= 4, engine.step)
+        device = sub.stored("GPU", group=0)
+        assert len(device) == 4 and sub.stored("CPU", group=0) == device
+        [host] = sub.of(BlockStored, "CPU")
+        assert host.token_ids == [] and host.block_size == 0 and host.parent_block_hash is None
+        assert host.group_idx == 0 and host.lora_id is None
+        assert sub.removed("CPU") == []
+    finally:
+        sub.close()
