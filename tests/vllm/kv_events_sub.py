@@ -34,10 +34,25 @@ class Subscriber:
                 return
         raise AssertionError(f"no batch from vLLM's publisher within {within_s} s")
 
-    def _read(self) -> None:
+    def _read(self) -> list[float]:
+        stamps = []
         while self._socket.poll(0):
             _topic, _seq, payload = self._socket.recv_multipart()
-            self.events.extend(self._decoder.decode(payload).events)
+            batch = self._decoder.decode(payload)
+            self.events.extend(batch.events)
+            stamps.append(batch.ts)
+        return stamps
+
+    def flush(self, publisher: Any, within_s: float = 30.0) -> None:
+        """Read everything vLLM's publisher was given so far: it sends in order, so once a marker batch
+        published now arrives, every batch before it has."""
+        marker = -time.monotonic()
+        publisher.publish(KVEventBatch(ts=marker, events=[]))
+        end = time.monotonic() + within_s
+        while marker not in self._read():
+            if time.monotonic() > end:
+                raise AssertionError(f"vLLM's publisher did not deliver a batch within {within_s} s")
+            self._socket.poll(100)
 
     def until(self, done: Callable[[list[Any]], bool], step: Callable[[], None], within_s: float = 30.0) -> None:
         """Read batches (stepping the engine between reads) until ``done(self.events)``."""

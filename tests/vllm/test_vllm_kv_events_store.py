@@ -1,0 +1,74 @@
+"""The store tier's KV events under vLLM's real ``Scheduler`` and its ``ZmqEventPublisher``, against a real
+``mooncake_master``: a block is announced ``MOONCAKE`` once the store took its put, with the hash vLLM announced
+for it on the device; a put that never happened announces nothing. Runs on both vLLM versions."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need vLLM: pip install --no-deps vllm==0.27.1 + .[vllm]")
+pytest.importorskip("mooncake.store", reason="the store tier needs Mooncake Store: mooncake-transfer-engine-non-cuda")
+
+from kv_events_sub import Subscriber  # noqa: E402
+from realsched import RealEngine  # noqa: E402
+from vllm.distributed.kv_events import BlockStored  # noqa: E402
+
+from kvplane.flows.offload import MooncakeMaster  # noqa: E402
+
+pytestmark = pytest.mark.integration
+MiB = 1 << 20
+PROMPT = [(i * 31 + 7) % 997 for i in range(70)]  # 4 full blocks of 16, and 6 tokens
+
+
+def store_engine(model_dir: str, endpoint: str, engines: list[RealEngine], master_address: str,
+                 namespace: str) -> tuple[RealEngine, Subscriber]:
+    store = {"master_address": master_address, "write_through": True, "segment_bytes": 32 * MiB,
+             "local_buffer_bytes": 16 * MiB, "namespace": namespace, "retry_after_s": 3600.0, "timeout_s": 10.0}
+    engine = RealEngine(model_dir, {"offload": {"host_bytes": 4 << 20, "pinned": False, "store": store}},
+                        kv_events=endpoint, prefix_caching=True)
+    engines.append(engine)
+    sub = Subscriber(endpoint)
+    sub.join(engine.scheduler.kv_event_publisher)
+    return engine, sub
+
+
+def test_the_store_tier_announces_a_block_once_the_store_took_it(
+    model_dir: str, endpoint: str, engines: list[RealEngine], master: MooncakeMaster
+) -> None:
+    engine, sub = store_engine(model_dir, endpoint, engines, master.address, "events-store")
+    try:
+        engine.add("a", PROMPT)
+        engine.finish("a")
+        sub.until(lambda _: len(sub.stored("MOONCAKE")) == 4, engine.step)
+        assert engine.worker.worker.offload.store.tier.degradations == 0
+        device = sub.stored("GPU", group=0)
+        assert sub.stored("CPU", group=0) == device and sub.stored("MOONCAKE", group=0) == device
+        [stored] = sub.of(BlockStored, "MOONCAKE")
+        assert stored.token_ids == [] and stored.block_size == 0 and stored.parent_block_hash is None
+        assert getattr(stored, "ownership", "kvplane") == "kvplane"  # vLLM 0.33's secondary-tier field
+        assert sub.removed("MOONCAKE") == []
+    finally:
+        sub.close()
+
+
+def test_puts_that_never_reach_a_store_announce_nothing_in_it(
+    model_dir: str, endpoint: str, engines: list[RealEngine]
+) -> None:
+    with socket.socket() as s:  # a port nothing listens on: the store tier stays down
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    engine, sub = store_engine(model_dir, endpoint, engines, dead, "events-dead")
+    try:
+        engine.add("a", PROMPT)
+        engine.finish("a")
+        sub.until(lambda _: len(sub.stored("CPU")) == 4, engine.step)  # the host tier announces its own blocks
+        engine.drain()
+        engine.worker.worker.offload.wait_idle()
+        engine.step()
+        sub.flush(engine.scheduler.kv_event_publisher)
+        assert engine.worker.worker.offload.store.tier.degradations >= 1
+        assert sub.of(BlockStored, "MOONCAKE") == [] and sub.removed("MOONCAKE") == []
+    finally:
+        sub.close()
