@@ -47,7 +47,7 @@ def test_the_store_tier_announces_a_block_once_the_store_took_it(
         assert sub.stored("CPU", group=0) == device and sub.stored("MOONCAKE", group=0) == device
         [stored] = sub.of(BlockStored, "MOONCAKE")
         assert stored.token_ids == [] and stored.block_size == 0 and stored.parent_block_hash is None
-        assert getattr(stored, "ownership", "kvplane") == "kvplane"  # vLLM 0.33's secondary-tier field
+        assert stored.locality == "REMOTE" and getattr(stored, "ownership", "kvplane") == "kvplane"  # ownership: 0.33
         assert sub.removed("MOONCAKE") == []
     finally:
         sub.close()

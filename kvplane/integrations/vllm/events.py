@@ -10,7 +10,8 @@ The events follow vLLM's own OffloadingConnector for a tier that holds blocks wi
 ``BlockStored(token_ids=[], block_size=0, parent_block_hash=None, medium=..., group_idx=...)``. Hashes are what
 vLLM's device tier publishes for the same block (``maybe_convert_block_hash`` of the block's hash, which follows
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``). The host tier is ``medium="CPU"``; the store tier names its store,
-``medium="MOONCAKE"`` (the field is free text in every supported version), and where vLLM has ``ownership``
+``medium="MOONCAKE"`` (the field is free text in every supported version) with ``locality="REMOTE"`` (its objects
+are host memory pooled across the cluster, as the ``vllm_tier`` events say too), and where vLLM has ``ownership``
 ("secondary offloading tier identifier", 0.33) it says ``"kvplane"``.
 """
 
@@ -42,7 +43,7 @@ def event_hash(block_hash: bytes) -> Any:
 
 
 def _owner(medium: str) -> dict[str, Any]:
-    return {"ownership": OWNER} if medium != HOST_MEDIUM else {}
+    return {"ownership": OWNER, "locality": "REMOTE"} if medium != HOST_MEDIUM else {}
 
 
 def block_stored(hashes: list[Any], medium: str, group: int) -> KVCacheEvent:
