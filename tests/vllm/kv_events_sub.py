@@ -1,5 +1,7 @@
 """A subscriber to vLLM's ``ZmqEventPublisher``: a zmq SUB socket, each batch decoded with vLLM's own
-``msgspec`` decoder for ``KVEventBatch`` (the wire form is ``(topic, seq, payload)``, kv_events.py)."""
+``msgspec`` decoder for ``KVEventBatch`` (the wire form is ``(topic, seq, payload)``, kv_events.py); batches a late
+SUB missed come from the publisher's replay socket (``replay``: vLLM's own protocol, a start sequence number in,
+the buffered batches and an end marker out)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class Subscriber:
         self._socket.connect(endpoint)
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.events: list[Any] = []
+        self.seqs: set[int] = set()
 
     def join(self, publisher: Any, within_s: float = 30.0) -> None:
         """Publish empty batches through vLLM's publisher until one arrives: the subscription is live (a SUB
@@ -37,11 +40,37 @@ class Subscriber:
     def _read(self) -> list[float]:
         stamps = []
         while self._socket.poll(0):
-            _topic, _seq, payload = self._socket.recv_multipart()
-            batch = self._decoder.decode(payload)
-            self.events.extend(batch.events)
-            stamps.append(batch.ts)
+            stamps += self._take(*self._socket.recv_multipart()[1:])
         return stamps
+
+    def _take(self, seq: bytes, payload: bytes) -> list[float]:
+        n = int.from_bytes(seq, "big")
+        if n in self.seqs:
+            return []
+        self.seqs.add(n)
+        batch = self._decoder.decode(payload)
+        self.events.extend(batch.events)
+        return [batch.ts]
+
+    def replay(self, endpoint: str, within_s: float = 30.0) -> None:
+        """Every batch the publisher still buffers that this SUB missed (read from sequence number 0)."""
+        self._read()
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        try:
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            end = time.monotonic() + within_s
+            while time.monotonic() < end:
+                if not dealer.poll(100):
+                    continue
+                _, _topic, seq, payload = dealer.recv_multipart()
+                if not payload:  # the end marker
+                    return
+                self._take(seq, payload)
+            raise AssertionError(f"the publisher's replay did not end within {within_s} s")
+        finally:
+            dealer.close()
 
     def flush(self, publisher: Any, within_s: float = 30.0) -> None:
         """Read everything vLLM's publisher was given so far: it sends in order, so once a marker batch

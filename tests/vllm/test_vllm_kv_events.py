@@ -80,3 +80,19 @@ def test_a_hybrid_model_announces_each_groups_blocks_under_its_group(
         assert sub.stored("CPU", group=1) == sub.stored("GPU", group=1)
     finally:
         sub.close()
+
+
+def test_sleep_mode_announces_the_removal_of_everything_the_host_tier_held(
+    model_dir: str, endpoint: str, engines: list[RealEngine]
+) -> None:
+    engine, sub = events_engine(model_dir, endpoint, engines)
+    try:
+        engine.add("a", PROMPT)
+        engine.finish("a")
+        sub.until(lambda _: len(sub.stored("CPU")) == 4, engine.step)
+        engine.worker.unregister_kv_caches()  # vLLM 0.33's sleep: the flows close, the host tier's contents go
+        engine.worker.restore_kv_caches()
+        sub.until(lambda _: len(sub.removed("CPU")) == 4, engine.step)
+        assert sorted(sub.removed("CPU", group=0)) == sorted(sub.stored("CPU", group=0))
+    finally:
+        sub.close()

@@ -33,12 +33,20 @@ EVENTS_LIMIT = 10_000  # events kept for vLLM to take; the oldest go first
 
 
 class TierEvents:
-    def __init__(self, host_blocks: Mapping[int, int], limit: int = EVENTS_LIMIT) -> None:
+    def __init__(self, host_blocks: Mapping[int, int], before: TierEvents | None = None,
+                 limit: int = EVENTS_LIMIT) -> None:
+        """``before``: the events of a host tier this one replaces (sleep mode), not yet taken: they go on."""
         # each group's host blocks: the vLLM hash of the prefix a block caches, None while it caches none known
         self._hash = {g: np.full(n, None, dtype=object) for g, n in host_blocks.items()}
-        self._queue: deque[Any] = deque()
-        self.limit, self.dropped = limit, 0
+        self._queue: deque[Any] = before._queue if before is not None else deque()
+        self.limit = limit
+        self.dropped: int = before.dropped if before is not None else 0
         self._loads: dict[tuple[int, int], Any] = {}  # (group, kvplane hash) -> vLLM hash, this step's loads
+
+    @classmethod
+    def over(cls, pools: Mapping[int, Any], before: TierEvents | None = None) -> TierEvents:
+        """Events for the host index's ``pools`` (group -> its ``KeyedPool``)."""
+        return cls({g: int(pool.num_blocks) for g, pool in pools.items()}, before)
 
     # -- TierListener -------------------------------------------------------------------------------------
     def host_cached(self, group: int, host_ids: Ids, tags: Tags | None) -> None:
@@ -65,6 +73,11 @@ class TierEvents:
         """The vLLM hashes of this step's loads, for ``store_missing`` (replaced at every step's loads)."""
         self._loads = {(g, h): t for job in loads if job.tags for g, hs in job.hashes.items()
                        for h, t in zip(hs, job.tags.get(g, ()))}
+
+    def host_cleared(self) -> None:
+        """The host tier closed (its contents gone): every block it announced is removed."""
+        for g, column in self._hash.items():
+            self.host_evicted(g, np.flatnonzero(column != None))  # noqa: E711 (elementwise, on objects)
 
     def take(self) -> list[Any]:
         out = list(self._queue)

@@ -37,6 +37,7 @@ EVENTS = ("loads", "stores", "receives", "sends", "failed_receives", "load_error
 
 
 class WorkerSide:
+    tier_events: TierEvents | None = None  # with vLLM's KV events on: what the offload tiers did, as events
     def __init__(
         self, config: ConnectorConfig, kv_cache_config: Any, backend: Backend | None = None, *, tp_rank: int = 0,
         dp_rank: int = 0, kv_lora_rank: int | None = None,
@@ -63,7 +64,6 @@ class WorkerSide:
         self._skipping = skipping_groups(kv_cache_config)  # groups whose prefix-cache hits a receive leaves out
         self.counters = dict.fromkeys(EVENTS, 0)
         self.kv_events = False  # vLLM publishes KV events: the offload tiers report to ``tier_events``
-        self.tier_events: TierEvents | None = None
 
     # -- setup --------------------------------------------------------------------------------------------
     def register_kv_caches(
@@ -86,8 +86,8 @@ class WorkerSide:
         if self.config.offload is not None:
             self.offload = OffloadEngine(backend, self.spec, kv_caches, self.config.offload, layouts=layouts,
                                          tp_rank=self.tp_rank, tp_size=self.config.tp_size)
-            if self.kv_events:
-                self.tier_events = TierEvents({g: p.num_blocks for g, p in self.offload.index.pools.items()})
+            if self.kv_events:  # after sleep mode, the queue vLLM has not taken yet goes on
+                self.tier_events = TierEvents.over(self.offload.index.pools, self.tier_events)
                 self.offload.listen(self.tier_events)
             if self.tp_rank == 0:
                 self.holds = LookupHolds(self.offload)
@@ -346,10 +346,8 @@ class WorkerSide:
         return sending, recving
 
     def take_kv_events(self) -> list[Any]:  # vLLM's model runner takes them every step
-        if self.tier_events is None:
-            return []
         with self._lock:
-            return self.tier_events.take()
+            return self.tier_events.take() if self.tier_events is not None else []
 
     def take_failed_requests(self) -> set[str]:
         """Receives that failed, by request id (reported with ``get_finished``'s receives, or by the next call)."""
@@ -397,4 +395,6 @@ class WorkerSide:
         if self.offload is not None:
             with self._lock:
                 self.offload.close()
+                if self.tier_events is not None:  # the host tier's contents go with it (sleep mode)
+                    self.tier_events.host_cleared()
             self.offload = None
