@@ -51,7 +51,8 @@ class EngineSaves(EngineLookups):
         for g, (hash_list, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
             hashes = as_hashes(hash_list)  # once: the index and the job's finish read this array
             found, hits, _ = self.index.find(g, hashes)
-            group_tags = as_tags(tags[g], len(hashes), f"request {request_id!r} group {g}") if tags is not None and g in tags else None
+            group_tags = None if tags is None or g not in tags else \
+                as_tags(tags[g], len(hashes), f"start_store: request {request_id!r} group {g}")
             if hits:
                 held = found >= 0
                 cached = found[held]

@@ -5,7 +5,9 @@ vLLM builds it twice from the same ``--kv-transfer-config``: once in the schedul
 class only routes each of vLLM's calls to the half that owns it; ``scheduler.py`` and ``worker.py`` say what
 happens and in which order vLLM calls them. Load failures are reported block by block through
 ``get_block_ids_with_load_errors`` when the model has one KV-cache group, and by request otherwise (see
-``compat``); vLLM's scheduler applies ``kv_load_failure_policy`` (fail or recompute).
+``compat``); vLLM's scheduler applies ``kv_load_failure_policy`` (fail or recompute). With vLLM's KV events on,
+the host and store tiers' events go from the workers (``get_kv_connector_kv_cache_events``) to the scheduler half
+(``take_events``), which vLLM publishes with its own (``events.py``).
 """
 
 from __future__ import annotations

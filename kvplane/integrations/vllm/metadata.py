@@ -3,7 +3,8 @@
 Plain data (ints, strings, dicts of lists, and ``kv_transfer_params`` as the ``TransferParams`` the scheduler
 half parsed them into once: a msgspec struct, which pickles) so vLLM can ship it to worker processes (and back:
 ``KVPlaneWorkerMeta``). Block ids and hashes are
-``{group_id: [...]}`` over the kvplane spec's groups (vLLM's KV-cache group indices).
+``{group_id: [...]}`` over the kvplane spec's groups (vLLM's KV-cache group indices). ``real_blocks`` and
+``null_as_hole`` build jobs and tables without vLLM's null block.
 """
 
 from __future__ import annotations
