@@ -5,6 +5,7 @@ store-tier tests. ``realsched`` (which imports vLLM) is imported only when a tes
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -28,6 +29,12 @@ def engines() -> Iterator[list[RealEngine]]:
     yield made
     for e in made:
         e.shutdown()
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path) -> str:
+    """An ``ipc://`` endpoint for vLLM's KV-event publisher (it binds ipc endpoints)."""
+    return f"ipc://{tmp_path / 'kv-events.sock'}"
 
 
 @pytest.fixture(scope="module")

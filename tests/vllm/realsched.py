@@ -21,7 +21,15 @@ from typing import Any
 import torch
 from kvref import packed_kv_views
 from minivllm import HEAD_DIM, HEADS, MiniEngine
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
@@ -82,13 +90,14 @@ class RealEngine:
     def __init__(self, model_dir: str, extra: dict[str, Any], kv_role: str = "kv_both", *,
                  policy: str = "recompute", num_blocks: int = 64, engine_id: str | None = None,
                  max_batched_tokens: int = 512, prefix_caching: bool = False, sliding_window: int = 0,
-                 async_scheduling: bool = False, with_worker: bool = True) -> None:
+                 async_scheduling: bool = False, with_worker: bool = True, kv_events: str | None = None) -> None:
         """``sliding_window`` > 0: a hybrid model, layer 0 full attention, layer 1 a sliding window of that many
         tokens, in two KV-cache groups (vLLM's hybrid allocator, ``request_finished_all_groups``).
         ``async_scheduling``: vLLM's ``AsyncScheduler``, stepped as the engine core's batch queue does (step N+1
         is scheduled before step N runs; vLLM's CPU platform turns async scheduling off, so it is forced on).
         ``with_worker=False``: vLLM's scheduler and the scheduler-side connector only (the caller plays the
-        worker half's answers)."""
+        worker half's answers). ``kv_events``: vLLM publishes KV events on this endpoint (its ``ZmqEventPublisher``,
+        built by its scheduler from ``kv_events_config``)."""
         transfer = KVTransferConfig(
             kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.integrations.vllm", kv_role=kv_role,
             kv_connector_extra_config=extra, kv_load_failure_policy=policy,
@@ -102,6 +111,8 @@ class RealEngine:
             # vLLM's own prefix cache off by default: a repeated prefix must come from kvplane's host tier
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
             kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events)
+            if kv_events else None,
         )
         self.config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)
@@ -225,6 +236,7 @@ class RealEngine:
             output.finished_sending, output.finished_recving = worker.get_finished(so.finished_req_ids)
         output.invalid_block_ids = worker.get_block_ids_with_load_errors()
         output.kv_connector_stats = worker.get_kv_connector_stats()
+        output.kv_cache_events = worker.get_kv_connector_kv_cache_events()
         output.kv_connector_worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
         return output

@@ -34,6 +34,7 @@ from kvplane.flows.offload.host_pool import HostPool
 from kvplane.flows.offload.index import HostIndex
 from kvplane.flows.offload.jobs import LoadJob, StoreJob
 from kvplane.flows.offload.keys import fingerprint
+from kvplane.flows.offload.listener import TierListener
 from kvplane.flows.offload.presence import LookupAnswers
 from kvplane.flows.offload.spill import StoreLink, check_fits
 from kvplane.flows.offload.store import StoreTier
@@ -89,6 +90,14 @@ class OffloadEngine(EngineSaves, EngineLoads):
         self._loaded: set[str] = set()
         self._load_errors: set[int] = set()
         self._presence = LookupAnswers()  # a load of the same request and keys reads these, not the store
+        self.listener: TierListener | None = None  # told when blocks become loadable or go (``listen``)
+
+    def listen(self, listener: TierListener) -> None:
+        """Tell ``listener`` from now on when host blocks are cached or evicted and store objects written or found
+        missing (the vLLM connector's KV events). Nothing is tracked for it before."""
+        self.listener = self.index.listener = listener
+        if self.store is not None:
+            self.store.listener = listener
 
     # -- waiting, completion and aborts -------------------------------------------------------------------
     def wait_for_save(self) -> None:
@@ -129,6 +138,9 @@ class OffloadEngine(EngineSaves, EngineLoads):
                 self.index.release(g, blocks.host_ids)
                 continue
             keyed = self.index.cache(g, blocks.host_ids, blocks.hashes)
+            if self.listener is not None and keyed.any():  # before a write-through put: it reports on these
+                self.listener.host_cached(g, blocks.host_ids[keyed],
+                                          blocks.tags[keyed] if blocks.tags is not None else None)
             if self.store is not None and self.store.write_through and keyed.any():
                 self.store.write(g, blocks.host_ids[keyed], blocks.hashes[keyed].tolist())
                 self.index.release(g, blocks.host_ids[~keyed])

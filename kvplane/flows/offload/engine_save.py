@@ -11,6 +11,9 @@ until ``poll`` retires it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from kvplane.blocks.groups import PerGroup
 from kvplane.descriptors import CopyPlan
 from kvplane.flows.offload.copier import LayerCopier
@@ -19,6 +22,7 @@ from kvplane.flows.offload.errors import OffloadError
 from kvplane.flows.offload.jobs import GroupBlocks, StoreJob, paired
 from kvplane.flows.offload.keyed_pool import as_hashes
 from kvplane.flows.offload.layer_plans import LayerPlanner
+from kvplane.flows.offload.listener import as_tags
 
 
 class EngineSaves(EngineLookups):
@@ -33,11 +37,13 @@ class EngineSaves(EngineLookups):
     _save_batch: int
     _stored: set[str]
 
-    def start_store(self, request_id: str, block_hashes: PerGroup, device_block_ids: PerGroup) -> int:
+    def start_store(self, request_id: str, block_hashes: PerGroup, device_block_ids: PerGroup,
+                    tags: Mapping[int, Sequence[Any]] | None = None) -> int:
         """Reserve host blocks for the request's blocks the host tier lacks; returns how many will be copied.
 
         Copies start with ``save_layer``. Blocks already cached are skipped (and become most recently used);
-        when the pool cannot hold them all, the leading ones are stored.
+        when the pool cannot hold them all, the leading ones are stored. ``tags`` (per group, one per hash) go
+        to the listener with the blocks once they are cached (``listener.TierListener.host_cached``).
         """
         self._check_new(request_id)
         before_evict = self.store.before_evict if self.store is not None else None
@@ -45,17 +51,21 @@ class EngineSaves(EngineLookups):
         for g, (hash_list, device_ids) in paired(request_id, block_hashes, device_block_ids, self._group_ids).items():
             hashes = as_hashes(hash_list)  # once: the index and the job's finish read this array
             found, hits, _ = self.index.find(g, hashes)
+            group_tags = None if tags is None or g not in tags else \
+                as_tags(tags[g], len(hashes), f"start_store: request {request_id!r} group {g}")
             if hits:
                 held = found >= 0
                 cached = found[held]
                 self.index.ref(g, cached)
                 self.index.release(g, cached)  # touch: most recently used
                 new, device_ids = hashes[~held], device_ids[~held]
+                group_tags = group_tags[~held] if group_tags is not None else None
             else:  # nothing cached (a fresh prefix): the arrays as they are
                 new = hashes
             ids = self.index.allocate(g, len(new), before_evict)
             if len(ids):
-                groups[g] = GroupBlocks(device_ids[: len(ids)], ids, new[: len(ids)])
+                kept = group_tags[: len(ids)] if group_tags is not None else None
+                groups[g] = GroupBlocks(device_ids[: len(ids)], ids, new[: len(ids)], kept)
         layers = set().union(*(self._group_layer_set[g] for g in groups))
         job = StoreJob(request_id, groups, layers)
         for g, blocks in groups.items():

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from kvplane.blocks.groups import Ids
 from kvplane.errors import BlockError
 from kvplane.flows.offload.keyed_pool import KeyedPool
+from kvplane.flows.offload.listener import TierListener
 
 EvictHook = Callable[[int, Ids, Ids], None]  # (group, victim block ids, their prefix hashes), int64 arrays
 
@@ -28,6 +29,7 @@ EvictHook = Callable[[int, Ids, Ids], None]  # (group, victim block ids, their p
 class HostIndex:
     def __init__(self, groups: Iterable[int], num_blocks: int) -> None:
         self.pools: dict[int, KeyedPool] = {g: KeyedPool(num_blocks) for g in groups}
+        self.listener: TierListener | None = None  # told which cached blocks an allocation evicts
 
     # -- queries (no side effects) ------------------------------------------------------------------------
     def cached_prefix(self, group: int, hashes: Sequence[int] | Ids) -> int:
@@ -78,6 +80,11 @@ class HostIndex:
                 break
             before_evict(group, victims, pool.keys_of(victims))
             shown = victims if shown is None else np.concatenate((shown, victims))
+        if self.listener is not None:  # the unused blocks go first, then the oldest cached ones, in order
+            free, unused = pool.counts()
+            evicted = pool.oldest_array(min(n, free) - unused) if min(n, free) > unused else None
+            if evicted is not None and evicted.size:
+                self.listener.host_evicted(group, evicted)
         return pool.allocate_upto(n)
 
     def ref(self, group: int, ids: Ids) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvplane.backend.base import Event
 from kvplane.blocks.groups import Ids, PerGroup, per_group
@@ -25,6 +26,7 @@ class GroupBlocks:
     device_ids: Ids
     host_ids: Ids
     hashes: Ids
+    tags: Any = None  # a store's caller's tag per block (an object array, ``listener.Tags``), handed to the listener
 
 
 @dataclass

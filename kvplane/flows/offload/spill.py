@@ -20,7 +20,8 @@ from kvplane.flows.offload.errors import OffloadConfigError
 from kvplane.flows.offload.host_pool import HostPool
 from kvplane.flows.offload.index import HostIndex
 from kvplane.flows.offload.keys import block_keys
-from kvplane.flows.offload.store import StoreTier, StoreWrite
+from kvplane.flows.offload.listener import TierListener
+from kvplane.flows.offload.store import OBJECT_NOT_FOUND, StoreTier, StoreWrite
 
 
 def check_fits(config: StoreConfig, block_bytes: dict[int, int]) -> None:
@@ -44,6 +45,7 @@ class StoreLink:
         self.write_through = tier.config.write_through
         self._writes: list[StoreWrite] = []
         self._late_gets: list[tuple[Future[list[int]], int, Ids]] = []
+        self.listener: TierListener | None = None  # told which puts succeeded and which gets found nothing
         for buf in pool.buffers.values():
             tier.register(int(buf.data_ptr()), int(buf.numel()))
 
@@ -91,6 +93,8 @@ class StoreLink:
         if not self.tier.check_put(write):
             self.index.ref(group, ids)  # still being read by the put: not evictable until it is done
             self._writes.append(write)
+        else:
+            self._tell_written(write)
 
     # -- store -> host ------------------------------------------------------------------------------------
     def fetch(self, group: int, hashes: list[int]) -> Ids:
@@ -101,6 +105,10 @@ class StoreLink:
         addrs, sizes = self.addrs(group, ids)
         ok, future = self.tier.get(self.keys(group, hashes[: len(ids)]), addrs, sizes)
         got = len(ok) if all(ok) else ok.index(False)
+        if self.listener is not None and got < len(ok) and future is not None and future.done() \
+                and future.exception() is None:  # what the store answered it does not hold is gone from it
+            if missing := [h for h, rc in zip(hashes, future.result()) if rc == OBJECT_NOT_FOUND]:
+                self.listener.store_missing(group, missing)
         self.index.cache(group, ids[:got], hashes[:got])
         rest = ids[got:]
         if future is not None and not future.done():
@@ -115,6 +123,7 @@ class StoreLink:
         still: list[StoreWrite] = []
         for write in self._writes:
             if self.tier.check_put(write):
+                self._tell_written(write)
                 self.index.release(write.group, write.host_ids)
             else:
                 still.append(write)
@@ -126,6 +135,14 @@ class StoreLink:
             else:
                 late.append((future, group, ids))
         self._late_gets = late
+
+    def _tell_written(self, write: StoreWrite) -> None:
+        """The listener hears of the blocks a completed put stored (answered 0), while they are still held."""
+        if self.listener is None or write.future.exception() is not None:
+            return
+        ok = np.asarray(write.future.result(), dtype=np.int64) == 0
+        if ok.any():
+            self.listener.store_written(write.group, np.asarray(write.host_ids, dtype=np.int64)[ok])
 
     @property
     def in_flight(self) -> int:

@@ -5,12 +5,14 @@ vLLM builds it twice from the same ``--kv-transfer-config``: once in the schedul
 class only routes each of vLLM's calls to the half that owns it; ``scheduler.py`` and ``worker.py`` say what
 happens and in which order vLLM calls them. Load failures are reported block by block through
 ``get_block_ids_with_load_errors`` when the model has one KV-cache group, and by request otherwise (see
-``compat``); vLLM's scheduler applies ``kv_load_failure_policy`` (fail or recompute).
+``compat``); vLLM's scheduler applies ``kv_load_failure_policy`` (fail or recompute). With vLLM's KV events on,
+the host and store tiers' events go from the workers (``get_kv_connector_kv_cache_events``) to the scheduler half
+(``take_events``), which vLLM publishes with its own (``events.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvplane.integrations.vllm.compat import (
@@ -22,6 +24,7 @@ from kvplane.integrations.vllm.compat import (
     transfer_results,
 )
 from kvplane.integrations.vllm.config import ConnectorConfig, data_parallel_index
+from kvplane.integrations.vllm.events import KVPlaneKVEvents, event_hash
 from kvplane.integrations.vllm.metadata import KVPlaneMetadata, KVPlaneWorkerMeta
 from kvplane.integrations.vllm.scheduler import SchedulerSide
 from kvplane.integrations.vllm.stats import KVPlanePromMetrics, KVPlaneStats, WorkerStats
@@ -59,6 +62,12 @@ def _attention_backends(vllm_config: Any, layer_names: list[str]) -> dict[str, A
     except (ImportError, AttributeError, AssertionError, TypeError):
         return {}
     return {name: layer.get_attn_backend() for name, layer in layers.items()}
+
+
+def _kv_events(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV events (its scheduler's own test: ``kv_events_config.enable_kv_cache_events``)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
 
 
 def _cache_dtype(vllm_config: Any) -> str:
@@ -99,9 +108,11 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
             self._scheduler = SchedulerSide(self.config, sizes, int(vllm_config.cache_config.block_size), dp_rank)
+            self._scheduler.event_hash = event_hash if _kv_events(vllm_config) else None
         else:
             self._worker = WorkerSide(self.config, kv_cache_config, tp_rank=_tp_rank(), dp_rank=dp_rank,
                                       kv_lora_rank=_kv_lora_rank(vllm_config))
+            self._worker.kv_events = _kv_events(vllm_config)
             self._stats = WorkerStats()
 
     @property
@@ -219,6 +230,11 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return self._stats.take(self._worker.stats())
 
+    def get_kv_connector_kv_cache_events(self) -> KVPlaneKVEvents | None:
+        """The host and store tiers' KV events since the last step (``tier_events``), for the scheduler half."""
+        events = self._worker.take_kv_events() if self._worker is not None else []
+        return KVPlaneKVEvents(events) if events else None
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPlaneStats | None:
         return KVPlaneStats.from_data(data)
@@ -247,6 +263,10 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[Any]:
+        """The tiers' events every worker reported (``event_inbox``); vLLM publishes them with its own."""
+        return self._scheduler.events.take() if self._scheduler is not None else ()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, (block_ids,))

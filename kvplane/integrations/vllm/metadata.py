@@ -3,17 +3,23 @@
 Plain data (ints, strings, dicts of lists, and ``kv_transfer_params`` as the ``TransferParams`` the scheduler
 half parsed them into once: a msgspec struct, which pickles) so vLLM can ship it to worker processes (and back:
 ``KVPlaneWorkerMeta``). Block ids and hashes are
-``{group_id: [...]}`` over the kvplane spec's groups (vLLM's KV-cache group indices).
+``{group_id: [...]}`` over the kvplane spec's groups (vLLM's KV-cache group indices). ``real_blocks`` and
+``null_as_hole`` build jobs and tables without vLLM's null block.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
+
+from kvplane.blocks.groups import HOLE
 from kvplane.flows.disagg.wire.params import TransferParams
 from kvplane.integrations.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 Groups = dict[int, list[int]]
+NULL_BLOCK = 0  # vLLM's placeholder block (BlockPool.null_block): sliding-window groups hold it out of the window
 
 
 @dataclass
@@ -25,6 +31,8 @@ class BlockJob:
     block_ids: Groups
     num_tokens: int = 0  # a load: the tokens vLLM counts on
     wait_in_vllm: bool = False  # a load vLLM waits for (WAITING_FOR_REMOTE_KVS), reported like a receive
+    # with vLLM's KV events on: the hash vLLM's events carry for each block (``events.event_hash``), else None
+    tags: dict[int, list[Any]] | None = None
 
 
 @dataclass
@@ -79,3 +87,22 @@ class KVPlaneWorkerMeta(KVConnectorWorkerMetadata):
         if isinstance(other, KVPlaneWorkerMeta):
             self.failed_receives |= other.failed_receives
         return self
+
+
+def null_as_hole(ids: list[int]) -> list[int]:
+    table = np.asarray(ids, dtype=np.int64)
+    return np.where(table == NULL_BLOCK, HOLE, table).tolist()  # type: ignore[no-any-return]
+
+
+def real_blocks(
+    request_id: str, hashes: Groups, block_ids: Groups, tags: dict[int, list[Any]] | None = None
+) -> BlockJob:
+    """The job without vLLM's null block: nothing to load into it, and storing it would key garbage by a real
+    prefix hash (a sliding-window group's out-of-window positions)."""
+    keep = {g: [i for i, b in enumerate(ids) if b != NULL_BLOCK] for g, ids in block_ids.items()}
+    return BlockJob(
+        request_id,
+        {g: [hashes[g][i] for i in idx] for g, idx in keep.items()},
+        {g: [block_ids[g][i] for i in idx] for g, idx in keep.items()},
+        tags={g: [tags[g][i] for i in idx] for g, idx in keep.items() if g in tags} if tags is not None else None,
+    )

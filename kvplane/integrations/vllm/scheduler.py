@@ -14,24 +14,28 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
-from kvplane.blocks.groups import HOLE
 from kvplane.errors import KvplaneError
 from kvplane.flows.disagg.wire.config import DisaggConfig
 from kvplane.flows.disagg.wire.params import TransferParams
 from kvplane.flows.disagg.wire.tokens import is_token, new_token
 from kvplane.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
+from kvplane.integrations.vllm.event_inbox import EventInbox
 from kvplane.integrations.vllm.lookup import LookupClient, block_hash_int, lookup_address
-from kvplane.integrations.vllm.metadata import BlockJob, Groups, KVPlaneMetadata, Receive, Send
+from kvplane.integrations.vllm.metadata import (
+    Groups,
+    KVPlaneMetadata,
+    Receive,
+    Send,
+    null_as_hole,
+    real_blocks,
+)
 from kvplane.integrations.vllm.scheduler_book import Phase, SchedulerBook, Tracked
 
 logger = logging.getLogger("kvplane.vllm")
 NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
-NULL_BLOCK = 0  # vLLM's placeholder block (BlockPool.null_block): sliding-window groups hold it out of the window
 RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)  # vLLM appends it to every external request id
 
 
@@ -59,6 +63,9 @@ class SchedulerSide:
         self._book = SchedulerBook()  # one record per request, with its phase
         self._meta = KVPlaneMetadata()
         self._advertised: DisaggConfig | None = None  # rank 0 of this DP rank, built on the first send
+        # with vLLM's KV events on (set by the connector): vLLM's event hash of a block hash, and the inbox
+        self.event_hash: Callable[[Any], Any] | None = None
+        self.events = EventInbox()
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _hashes(self, request: Any, group: int) -> list[int]:
@@ -69,6 +76,14 @@ class SchedulerSide:
         for i in range(len(known) * k + k - 1, len(vllm_hashes), k):
             known.append(block_hash_int(vllm_hashes[i]))
         return known
+
+    def _tags(self, request: Any, spans: dict[int, tuple[int, int]]) -> dict[int, list[Any]] | None:
+        """With vLLM's KV events on: vLLM's event hash of each group's blocks ``a:b`` (those ``_hashes`` keys)."""
+        if self.event_hash is None:
+            return None
+        k = {g: self.block_sizes[g] // self.hash_block_size for g in spans}
+        return {g: [self.event_hash(request.block_hashes[(i + 1) * k[g] - 1]) for i in range(a, b)]
+                for g, (a, b) in spans.items()}
 
     def _remote_prefill(self, request: Any) -> bool:
         params = request.kv_transfer_params
@@ -122,7 +137,7 @@ class SchedulerSide:
     def _blocks_for(self, ids: Groups, num_tokens: int) -> Groups:
         """The blocks that hold a P/D request's ``num_tokens`` tokens, vLLM's null block as a ``HOLE`` (a sliding-
         window group's positions out of the window: nothing moves for them, on either side)."""
-        return {g: _null_as_hole(v[: -(-num_tokens // self.block_sizes[g])]) for g, v in ids.items()}
+        return {g: null_as_hole(v[: -(-num_tokens // self.block_sizes[g])]) for g, v in ids.items()}
 
     # -- vLLM scheduler calls -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -183,10 +198,11 @@ class SchedulerSide:
             start, record.matched = record.matched or 0, None
             end = start + num_external_tokens
             span = {g: (start // bs, end // bs) for g, bs in self.block_sizes.items()}
-            job = _real_blocks(
+            job = real_blocks(
                 rid,
                 {g: self._hashes(request, g)[a:b] for g, (a, b) in span.items()},
                 {g: ids[g][a:b] for g, (a, b) in span.items()},
+                self._tags(request, span),
             )
             job.num_tokens, job.wait_in_vllm = num_external_tokens, self.loads_wait_in_vllm
             self._meta.loads.append(job)
@@ -242,18 +258,22 @@ class SchedulerSide:
         stored = record.stored
         hashes: Groups = {}
         block_ids: Groups = {}
+        spans: dict[int, tuple[int, int]] = {}
         for g, bs in self.block_sizes.items():
             group_hashes = self._hashes(request, g)
             full = min(computed // bs, len(group_hashes), len(ids.get(g, ())))
             first = stored.get(g, 0)
             if full > first:
-                hashes[g], block_ids[g] = group_hashes[first:full], ids[g][first:full]
+                hashes[g], block_ids[g], spans[g] = group_hashes[first:full], ids[g][first:full], (first, full)
                 stored[g] = full
         if hashes:
-            self._meta.stores.append(_real_blocks(rid, hashes, block_ids))
+            self._meta.stores.append(real_blocks(rid, hashes, block_ids, self._tags(request, spans)))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The workers' completions; vLLM frees a finished request's blocks on the first of them it sees."""
+        """The workers' completions (vLLM frees a finished request's blocks on the first it sees), and KV events."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if events is not None and self.event_hash is not None:
+            self.events.add(events.get_all_events(), int(getattr(connector_output, "expected_finished_count", 0)))
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         for rid in getattr(worker_meta, "failed_receives", ()):
             self._restart_failed_receive(rid)
@@ -378,18 +398,3 @@ class SchedulerSide:
         if self.lookup is not None:
             self.lookup.close()
 
-
-def _null_as_hole(ids: list[int]) -> list[int]:
-    table = np.asarray(ids, dtype=np.int64)
-    return np.where(table == NULL_BLOCK, HOLE, table).tolist()  # type: ignore[no-any-return]
-
-
-def _real_blocks(request_id: str, hashes: Groups, block_ids: Groups) -> BlockJob:
-    """The job without vLLM's null block: nothing to load into it, and storing it would key garbage by a real
-    prefix hash (a sliding-window group's out-of-window positions)."""
-    keep = {g: [i for i, b in enumerate(ids) if b != NULL_BLOCK] for g, ids in block_ids.items()}
-    return BlockJob(
-        request_id,
-        {g: [hashes[g][i] for i in idx] for g, idx in keep.items()},
-        {g: [block_ids[g][i] for i in idx] for g, idx in keep.items()},
-    )

@@ -26,6 +26,7 @@ from kvplane.integrations.vllm.lookup import LookupServer, lookup_address
 from kvplane.integrations.vllm.metadata import KVPlaneMetadata, Send
 from kvplane.integrations.vllm.receives import decline, finished_receives, skipping_groups, start_receives
 from kvplane.integrations.vllm.spec import layouts_for, spec_from_vllm
+from kvplane.integrations.vllm.tier_events import TierEvents
 from kvplane.integrations.vllm.worker_book import WorkerBook
 from kvplane.kv.binding import LayoutChoice, check_whole_allocations, matching_layouts
 from kvplane.kv.bound import bind
@@ -37,6 +38,7 @@ EVENTS = ("loads", "stores", "receives", "sends", "failed_receives", "load_error
 
 
 class WorkerSide:
+    tier_events: TierEvents | None = None  # with vLLM's KV events on: what the offload tiers did, as events
     def __init__(
         self, config: ConnectorConfig, kv_cache_config: Any, backend: Backend | None = None, *, tp_rank: int = 0,
         dp_rank: int = 0, kv_lora_rank: int | None = None,
@@ -62,6 +64,7 @@ class WorkerSide:
         self._saves_started = False
         self._skipping = skipping_groups(kv_cache_config)  # groups whose prefix-cache hits a receive leaves out
         self.counters = dict.fromkeys(EVENTS, 0)
+        self.kv_events = False  # vLLM publishes KV events: the offload tiers report to ``tier_events``
 
     # -- setup --------------------------------------------------------------------------------------------
     def register_kv_caches(
@@ -83,6 +86,9 @@ class WorkerSide:
         kv = bind(backend, self.spec, kv_caches, layouts)  # every LayoutError before any flow registers memory
         if self.config.offload is not None:
             self.offload = OffloadEngine(kv, self.config.offload, tp_rank=self.tp_rank, tp_size=self.config.tp_size)
+            if self.kv_events:  # after sleep mode, the queue vLLM has not taken yet goes on
+                self.tier_events = TierEvents.over(self.offload.index.pools, self.tier_events)
+                self.offload.listen(self.tier_events)
             if self.tp_rank == 0:
                 self.holds = LookupHolds(self.offload)
                 self.lookup_server = LookupServer(
@@ -235,6 +241,8 @@ class WorkerSide:
         or when the scheduler releases it."""
         if meta.loads:
             waited = [j for j in meta.loads if j.wait_in_vllm]  # reported like receives (several groups)
+            if self.tier_events is not None:
+                self.tier_events.expect_loads(meta.loads)
             try:
                 loaded = offload.start_loads([(j.request_id, j.hashes, j.block_ids) for j in meta.loads], in_store)
                 self.counters["loads"] += len(meta.loads)
@@ -258,7 +266,7 @@ class WorkerSide:
         """A store kvplane refuses is skipped (a later miss)."""
         for job in meta.stores:
             try:
-                offload.start_store(job.request_id, job.hashes, job.block_ids)
+                offload.start_store(job.request_id, job.hashes, job.block_ids, job.tags)
                 self.counters["stores"] += 1
             except KvplaneError as e:
                 logger.warning("kvplane: store of request %s skipped: %s", job.request_id, e)
@@ -335,6 +343,10 @@ class WorkerSide:
             recving.add(c.request_id)
         return sending, recving
 
+    def take_kv_events(self) -> list[Any]:  # vLLM's model runner takes them every step
+        with self._lock:
+            return self.tier_events.take() if self.tier_events is not None else []
+
     def take_failed_requests(self) -> set[str]:
         """Receives that failed, by request id (reported with ``get_finished``'s receives, or by the next call)."""
         failed, self._failed_requests = self._failed_requests, set()
@@ -381,4 +393,6 @@ class WorkerSide:
         if self.offload is not None:
             with self._lock:
                 self.offload.close()
+                if self.tier_events is not None:  # the host tier's contents go with it (sleep mode)
+                    self.tier_events.host_cleared()
             self.offload = None
