@@ -242,7 +242,7 @@ def apply(index: PrefixIndex, events: list[kv_wire.Event]) -> int:
             continue
         elif isinstance(event, kv_wire.BlockStored):
             index.stored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                         tier_of(event.medium), event.plain)
+                         tier_of(event.medium, event.locality), event.plain)
         else:
-            index.removed(event.block_hashes, tier_of(event.medium))
+            index.removed(event.block_hashes, tier_of(event.medium, event.locality))
     return index.evicted - evicted

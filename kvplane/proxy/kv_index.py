@@ -36,9 +36,12 @@ DEVICE, CPU, STORE = "device", "cpu", "store"
 TIERS = (DEVICE, CPU, STORE)  # in the order a walk prefers them
 
 
-def tier_of(medium: str | None) -> str:
+def tier_of(medium: str | None, locality: str | None = None) -> str:
     """The tier of an event's ``medium``: ``GPU`` (and ``None``, older publishers) is the device, ``CPU`` the
-    host; anything else (vLLM's ``STORAGE``, a store) is the store tier, the slowest to load from."""
+    host; anything else (vLLM's ``STORAGE``, kvplane's ``MOONCAKE``) and anything ``locality="REMOTE"`` (a store
+    behind a vLLM secondary tier says ``CPU``) is the store tier, the slowest to load from."""
+    if locality == "REMOTE":
+        return STORE
     if medium is None or medium == "GPU":
         return DEVICE
     return CPU if medium == "CPU" else STORE

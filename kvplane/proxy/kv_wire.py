@@ -27,6 +27,7 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True):
     token_ids: list[int] = []
     block_size: int = 0
     medium: str | None = None
+    locality: str | None = None  # vLLM's secondary tiers: "REMOTE" for a store behind the host
     lora_id: int | None = None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
@@ -43,6 +44,7 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True):
 class BlockRemoved(msgspec.Struct, tag=True, frozen=True):
     block_hashes: list[bytes | int]
     medium: str | None = None
+    locality: str | None = None
     group_idx: int | None = None
 
 

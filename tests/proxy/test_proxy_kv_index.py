@@ -171,3 +171,21 @@ def test_events_of_a_type_the_proxy_does_not_know_are_skipped_and_counted() -> N
     payload = ENCODE.encode([1.0, [{"type": "BlockPinned", "block_hashes": [1]}, {"type": "AllBlocksCleared"}]])
     _, events, skipped = kv_wire.decode(payload)
     assert skipped == 1 and len(events) == 1
+
+
+def test_kvplanes_store_tiers_count_as_the_store_whatever_their_medium() -> None:
+    """kvplane's connector names the store tier's medium ``MOONCAKE``; its vLLM secondary tier says ``CPU`` with
+    ``locality="REMOTE"`` (vLLM's medium enum has no store of its own). Both are the store tier, not the host."""
+    tokens = [1, 2, 3, 4, 5]
+    hashes = chain(tokens, as_int=False)
+    events = [BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens[:4], block_size=BLOCK,
+                          lora_id=None, lora_name=None, medium="GPU"),
+              BlockRemoved(block_hashes=hashes, medium="GPU"),
+              BlockStored(block_hashes=hashes[:1], parent_block_hash=None, token_ids=[], block_size=0, lora_id=None, lora_name=None,
+                          medium="MOONCAKE"),
+              BlockStored(block_hashes=hashes[1:], parent_block_hash=None, token_ids=[], block_size=0, lora_id=None, lora_name=None,
+                          medium="CPU", locality="REMOTE")]
+    index = PrefixIndex(100)
+    _, decoded, skipped = kv_wire.decode(ENCODE.encode(KVEventBatch(ts=0.0, events=events)))
+    apply(index, decoded)
+    assert not skipped and index.hit(tokens) == [STORE, STORE]
