@@ -45,6 +45,16 @@ class Heard:
         return [ids for k, _, ids in self.calls if k == kind]
 
 
+def gated() -> tuple[Harness, Any, Heard]:
+    """An engine whose copies wait at a gate, and what its listener heard."""
+    backend = GatedCpu()
+    gate = backend.gate(0)
+    h = Harness(small_spec(), host_blocks=8, backend=backend)
+    heard = Heard()
+    h.engine.listen(heard)
+    return h, gate, heard
+
+
 def store(h: Harness, rid: str, hashes: list[int], device_ids: list[int], tags: list[Any]) -> None:
     for b, x in zip(device_ids, hashes):
         h.write(b, x)
@@ -54,11 +64,7 @@ def store(h: Harness, rid: str, hashes: list[int], device_ids: list[int], tags: 
 
 
 def test_a_block_is_announced_with_its_tag_once_its_copy_completed_and_never_again() -> None:
-    backend = GatedCpu()
-    gate = backend.gate(0)
-    h = Harness(small_spec(), host_blocks=8, backend=backend)
-    heard = Heard()
-    h.engine.listen(heard)
+    h, gate, heard = gated()
     a = block_hashes(range(6), 2)
     store(h, "a", a[:2], [1, 2], ["t0", "t1"])
     assert h.engine.get_finished() == (set(), set()) and heard.calls == []  # the copy waits at the gate
@@ -71,11 +77,7 @@ def test_a_block_is_announced_with_its_tag_once_its_copy_completed_and_never_aga
 
 
 def test_an_aborted_store_announces_nothing() -> None:
-    backend = GatedCpu()
-    gate = backend.gate(0)
-    h = Harness(small_spec(), host_blocks=8, backend=backend)
-    heard = Heard()
-    h.engine.listen(heard)
+    h, gate, heard = gated()
     store(h, "a", block_hashes(range(4), 2), [1, 2], ["t0", "t1"])
     h.engine.abort("a")
     gate.set()

@@ -50,7 +50,7 @@ class OffloadEngine(EngineSaves, EngineLoads):
     def __init__(self, kv: BoundKV, config: OffloadConfig, *, tp_rank: int = 0, tp_size: int = 1,
                  store_tier: StoreTier | None = None) -> None:
         backend, spec, regions = kv.backend, kv.spec, kv.regions
-        self.kv, self.backend, self.spec, self.config = kv, backend, spec, config
+        self.kv, self.backend, self.spec, self.config = kv, backend, spec, config  # kv: the tensors the regions borrow
         self.pool = HostPool(backend, regions, config.host_bytes, config.pinned)
         self.index = HostIndex(self.pool.block_bytes, self.pool.num_blocks)
         by_layer: dict[str, list[Region]] = {}

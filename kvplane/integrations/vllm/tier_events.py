@@ -41,7 +41,7 @@ class TierEvents:
         self._queue: deque[Any] = before._queue if before is not None else deque()
         self.limit = limit
         self.dropped: int = before.dropped if before is not None else 0
-        self._loads: dict[tuple[int, int], Any] = {}  # (group, kvplane hash) -> vLLM hash, this step's loads
+        self._loads: list[BlockJob] = []  # this step's loads, read only when a get finds an object gone
 
     @classmethod
     def over(cls, pools: Mapping[int, Any], before: TierEvents | None = None) -> TierEvents:
@@ -65,14 +65,15 @@ class TierEvents:
         self._put(block_stored, _known(self._hash[group][host_ids]), STORE_MEDIUM, group)
 
     def store_missing(self, group: int, hashes: list[Any]) -> None:
-        known = [self._loads.get((group, int(h))) for h in hashes]
+        tag = {h: t for job in self._loads if job.tags for h, t in zip(job.hashes.get(group, ()),
+                                                                      job.tags.get(group, ()))}
+        known = [tag.get(int(h)) for h in hashes]
         self._put(block_removed, [h for h in known if h is not None], STORE_MEDIUM, group)
 
     # -- the worker half ----------------------------------------------------------------------------------
     def expect_loads(self, loads: Iterable[BlockJob]) -> None:
-        """The vLLM hashes of this step's loads, for ``store_missing`` (replaced at every step's loads)."""
-        self._loads = {(g, h): t for job in loads if job.tags for g, hs in job.hashes.items()
-                       for h, t in zip(hs, job.tags.get(g, ()))}
+        """This step's loads, whose vLLM hashes ``store_missing`` looks up (no work per block on the step)."""
+        self._loads = list(loads)
 
     def host_cleared(self) -> None:
         """The host tier closed (its contents gone): every block it announced is removed."""

@@ -37,7 +37,7 @@ def _staging_region(addr: int, nbytes: int) -> Region:
 class LocalKV:
     def __init__(self, kv: BoundKV, config: DisaggConfig, role: str, staging_bytes: int = 0) -> None:
         backend, spec = kv.backend, kv.spec
-        self.kv, self.backend, self.spec, self.config, self.role = kv, backend, spec, config, role
+        self.backend, self.spec, self.config, self.role = backend, spec, config, role
         self.kv_caches, self.layouts = kv.caches, kv.layouts
         self.manifest = Manifest(
             config.engine_id, config.rank, config.tp_size, backend.label, spec,
