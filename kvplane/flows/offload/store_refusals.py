@@ -35,7 +35,8 @@ class RefusalLog:
     def _hint(self, refused: Counter[int]) -> str:
         if NO_AVAILABLE_HANDLE in refused:
             return (f"{NO_AVAILABLE_HANDLE} means no segment has room: raise StoreConfig.segment_bytes="
-                    f"{self.config.segment_bytes} or start more clients that lend memory")
+                    f"{self.config.segment_bytes} or start more clients that lend memory (right after a master "
+                    "restart it means the clients have not yet mounted their segments again: that passes by itself)")
         return "see Mooncake's log for what the codes mean"
 
     def note(self, codes: Sequence[int]) -> None:
