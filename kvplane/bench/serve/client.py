@@ -14,6 +14,7 @@ import time
 import urllib.parse
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from kvplane.bench.serve.procs import post
 from kvplane.errors import KvplaneError
@@ -34,11 +35,14 @@ def salt() -> str:
 
 
 def stream(base_url: str, model: str, prompt: str, max_tokens: int, cache_salt: str | None = None,
-           timeout: float = 300.0) -> Streamed:
-    """One greedy completion streamed from ``base_url`` (a vLLM instance or ``kvplane proxy``)."""
+           timeout: float = 300.0, shared: bool = False) -> Streamed:
+    """One greedy completion streamed from ``base_url`` (a vLLM instance or ``kvplane proxy``), under
+    ``cache_salt`` (a fresh one when None); ``shared``: no salt, the prefix cache vLLM shares between requests."""
     url = urllib.parse.urlsplit(base_url)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "cache_salt": cache_salt or salt()}
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if not shared:
+        body["cache_salt"] = cache_salt or salt()
     conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
     try:
         start = time.perf_counter()

@@ -41,6 +41,7 @@ from kvplane.bench.serve import client
 from kvplane.bench.serve.command import serve_python, vllm_argv
 from kvplane.bench.serve.model import prompts
 from kvplane.bench.serve.procs import PROXY, Server, delta, free_port, kv_config, metrics, start_all
+from kvplane.bench.serve.routing import POLICIES, XPyD, conversations, run_policy, start_xpyd
 from kvplane.bench.timing import Samples
 from kvplane.errors import KvplaneError
 
@@ -88,10 +89,11 @@ _site: Held[_Site] = Held(_Site.close)
 _plain: Held[_Group] = Held(_Group.close)
 _pair: Held[_Group] = Held(_Group.close)  # prefill, decode, proxy of one (mode, engine)
 _offload: Held[_Group] = Held(_Group.close)
+_xpyd: Held[XPyD] = Held(XPyD.close)  # 2 prefills, 2 decodes, a proxy per policy
 
 
 def release() -> None:
-    for held in (_pair, _plain, _offload, _site):
+    for held in (_pair, _plain, _offload, _xpyd, _site):
         held.release()
 
 
@@ -210,7 +212,7 @@ def _by_label(after: dict[str, float], before: dict[str, float], family: str) ->
     return {k.split('"')[1]: v for k, v in delta(after, before, family + "{").items()}
 
 
-def _on_failure(held: Held[_Group], run: Callable[[], BenchResult]) -> BenchResult:
+def _on_failure(held: Held[Any], run: Callable[[], BenchResult]) -> BenchResult:
     try:
         return run()
     except BaseException:
@@ -307,6 +309,43 @@ def run_offload(backend: Backend, quick: bool, name: str) -> BenchResult:
     return _on_failure(_offload, measure)
 
 
+def run_routing(backend: Backend, quick: bool, name: str) -> BenchResult:
+    for held in (_pair, _plain, _offload):  # two cores: the four servers run alone
+        held.release()
+    site = _site.get("gqa", _make_site)
+    setup = _xpyd.get("xpyd", lambda: start_xpyd(_python(), site.model, site.logs))
+
+    def measure() -> BenchResult:
+        rounds = 3 if quick else 5
+        runs = {p: run_policy(setup, str(site.model), p, conversations(f"{name}-{p}", rounds=rounds)) for p in POLICIES}
+        rr, kv = runs["round-robin"], runs["kv-aware"]
+        params: dict[str, Any] = {"model": "tiny-llama", "instances": "2 prefills (host tier, KV events), 2 decodes",
+                                  "mode": "pull", "conversations": 4, "rounds": rounds, "start_s": setup.start_s}
+        for p, r in runs.items():
+            params[p] = {"hit_rate": round(r.hit_rate, 3), "prefill_tokens_computed": r.computed,
+                         "prompt_tokens": r.prompt_tokens, "ttft_ms": _ms(r.ttft_median_s), "requests": len(r.ttft_s),
+                         "ttft_ratio_to_rr": round(rr.ttft_median_s / r.ttft_median_s, 3),
+                         "computed_ratio_to_rr": round(r.computed / rr.computed, 3) if rr.computed else None}
+        params["note"] = (f"kv-aware: hit rate {kv.hit_rate:.2f} vs round-robin {rr.hit_rate:.2f}, prefill tokens "
+                          f"computed x{params['kv-aware']['computed_ratio_to_rr']}, TTFT ratio (rr/kv) "
+                          f"{params['kv-aware']['ttft_ratio_to_rr']}; each policy its own conversations")
+        return make_result(scenario=name, kind=KIND, backend=backend.label, transport="mooncake", nbytes=0,
+                           samples=Samples(ours=kv.ttft_s, baseline=rr.ttft_s),
+                           baseline="round-robin over the same 2P2D", verified=kv.computed < kv.prompt_tokens,
+                           descriptors=0, params=params)
+
+    return _on_failure(_xpyd, measure)
+
+
+def routing_scenario() -> Scenario:
+    name = "serve-routing"
+
+    def run(backend: Backend, quick: bool) -> BenchResult:
+        return run_routing(backend, quick, name)
+
+    return Scenario(name, KIND, run, {"mode": "routing"}, release=release)
+
+
 def pd_scenario(mode: str, engine: str) -> Scenario:
     name = f"serve-pd-{mode}-{engine}"
 
@@ -326,5 +365,6 @@ def offload_scenario() -> Scenario:
 
 
 def scenarios() -> list[Scenario]:
-    """Every serve row: P/D per mode and engine (one plain instance shared), then the host-tier hit."""
-    return [pd_scenario(m, e) for e in ENGINES for m in MODES] + [offload_scenario()]
+    """Every serve row: P/D per mode and engine (one plain instance shared), the host-tier hit, then the policies
+    of the proxy over 2P2D."""
+    return [pd_scenario(m, e) for e in ENGINES for m in MODES] + [offload_scenario(), routing_scenario()]
