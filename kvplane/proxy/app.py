@@ -51,7 +51,7 @@ class ProxyState:
         self.router = KvRouter.from_config(config, self.metrics)  # --policy kv-aware; started with the session
         for pool in (self.prefill, self.decode):
             for inst in pool.instances:
-                self.metrics.instance_up.labels(inst.role, inst.url).set(1)
+                self.metrics.instance_up.labels(inst.role, inst.name).set(1)
 
     @contextlib.contextmanager
     def naming(self, request_id: str) -> Iterator[None]:

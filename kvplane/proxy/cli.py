@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvplane.proxy").info(
         "kvplane proxy on %s:%d, mode %s, policy %s, prefill %s, decode %s", config.host, config.port, config.mode,
-        config.policy, [i.url for i in config.prefill], [i.url for i in config.decode])
+        config.policy, [i.name for i in config.prefill], [i.name for i in config.decode])
     web.run_app(build_app(config), host=config.host, port=config.port, shutdown_timeout=config.shutdown_timeout_s,
                 print=None, **SERVING)
     return 0

@@ -7,7 +7,11 @@ command line, one ``--prefill`` per instance::
 
     --prefill http://10.0.0.7:8100,engine_id=prefill-0,side_channel=10.0.0.7:5600,tp_size=1
 
-(``side_channel`` defaults to the URL's host with no port, which pull mode does not need.) ``--policy kv-aware``
+(``side_channel`` defaults to the URL's host with no port, which pull mode does not need.) An instance that runs
+``--data-parallel-size N`` (one API server over N engines) takes ``dp_size=N``: the proxy then routes to each DP
+rank as a target of its own (``Instance.ranks``), names it in vLLM's ``X-data-parallel-rank`` header, tells a
+push decode that rank's side channel (``port + dp_rank * tp_size``, where kvplane's DP ranks listen) and reads
+that rank's KV events (vLLM's endpoint port ``+ dp_rank``). ``--policy kv-aware
 needs, per prefill, the address of its vLLM KV-event publisher (``--kv-events-config``'s ``endpoint``, and its
 ``replay_endpoint`` to fill gaps)::
 
@@ -18,7 +22,7 @@ Every check runs at startup and names the flag, the value and the fix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -31,7 +35,8 @@ OnPrefillFailure = Literal["error", "decode-only"]
 ON_PREFILL_FAILURE: tuple[OnPrefillFailure, ...] = ("error", "decode-only")
 OnTransferFailure = Literal["error", "retry-plain"]
 ON_TRANSFER_FAILURE: tuple[OnTransferFailure, ...] = ("error", "retry-plain")
-INSTANCE_KEYS = ("engine_id", "side_channel", "tp_size", "kv_events", "kv_events_replay")
+INSTANCE_KEYS = ("engine_id", "side_channel", "tp_size", "dp_size", "kv_events", "kv_events_replay")
+DP_HEADER = "X-data-parallel-rank"  # vLLM's API server sends a request with it to that DP rank's engine
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,27 @@ class Instance:
     tp_size: int = 1
     kv_events: str = ""  # tcp://HOST:PORT of its vLLM KV-event PUB socket
     kv_events_replay: str = ""  # tcp://HOST:PORT of its replay ROUTER socket
+    dp_size: int = 1
+    dp_rank: int | None = None  # the DP rank this target names (``ranks``); None: vLLM's API server picks one
+
+    @property
+    def name(self) -> str:
+        """What the proxy keys this target by: its URL, and its DP rank where it names one (``URL#dp1``)."""
+        return self.url if self.dp_rank is None else f"{self.url}#dp{self.dp_rank}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers every request to this target carries: the DP rank it names."""
+        return {} if self.dp_rank is None else {DP_HEADER: str(self.dp_rank)}
+
+    def ranks(self) -> tuple[Instance, ...]:
+        """The routing targets of this instance: itself, or one per DP rank, each with that rank's side-channel
+        base port and KV-event endpoints (vLLM offsets a tcp endpoint's port by the rank)."""
+        if self.dp_size == 1 or self.dp_rank is not None:
+            return (self,)
+        return tuple(replace(self, dp_rank=r, side_port=self.side_port + r * self.tp_size if self.side_port else 0,
+                             kv_events=_offset(self.kv_events, r), kv_events_replay=_offset(self.kv_events_replay, r))
+                     for r in range(self.dp_size))
 
     @classmethod
     def parse(cls, text: str, role: str) -> Instance:
@@ -68,14 +94,27 @@ class Instance:
                 raise ProxyConfigError(f"--{role} {text!r}: side_channel={values['side_channel']!r} is not "
                                        f"HOST:PORT (kvplane's disagg.host and disagg.port of that instance)")
             side_host, side_port = host, int(port)
-        tp = values.get("tp_size", "1")
-        if not tp.isdigit() or int(tp) < 1:
-            raise ProxyConfigError(f"--{role} {text!r}: tp_size={tp!r} is not a positive integer")
+        tp, dp = values.get("tp_size", "1"), values.get("dp_size", "1")
+        for key, n in (("tp_size", tp), ("dp_size", dp)):
+            if not n.isdigit() or int(n) < 1:
+                raise ProxyConfigError(f"--{role} {text!r}: {key}={n!r} is not a positive integer")
         for key in ("kv_events", "kv_events_replay"):
             if key in values:
                 _check_zmq_address(role, text, key, values[key])
+                if int(dp) > 1 and not values[key].startswith("tcp://"):
+                    raise ProxyConfigError(f"--{role} {text!r}: {key}={values[key]!r} with dp_size={dp}: vLLM gives "
+                                           f"each DP rank the endpoint's tcp port + its rank and refuses ipc:// "
+                                           f"there; give tcp://HOST:PORT")
         return cls(url.rstrip("/"), role, values.get("engine_id", ""), side_host, side_port, int(tp),
-                   values.get("kv_events", ""), values.get("kv_events_replay", ""))
+                   values.get("kv_events", ""), values.get("kv_events_replay", ""), int(dp))
+
+
+def _offset(endpoint: str, rank: int) -> str:
+    """A tcp endpoint's port plus ``rank``, as vLLM's ``ZmqEventPublisher.offset_endpoint_port`` makes it."""
+    if not endpoint or not rank:
+        return endpoint
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + rank}"
 
 
 def _check_zmq_address(role: str, text: str, key: str, address: str) -> None:
@@ -124,6 +163,8 @@ class ProxyConfig:
     extra_headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for role in ("prefill", "decode"):  # one routing target per DP rank
+            object.__setattr__(self, role, tuple(r for inst in getattr(self, role) for r in inst.ranks()))
         if not self.prefill or not self.decode:
             raise ProxyConfigError(f"the proxy needs at least one --prefill and one --decode instance, got "
                                    f"{len(self.prefill)} and {len(self.decode)}")

@@ -77,7 +77,7 @@ async def kv_plan(route: Route, path: str, body: dict[str, Any], headers: dict[s
     if route.router.in_step() != "kv":
         return route.router.plan(None)
     pool = route.prefill
-    inst = next((i for i in pool.instances if pool.up[i.url]), pool.instances[0])
+    inst = next((i for i in pool.instances if pool.up[i.name]), pool.instances[0])
     start = time.perf_counter()
     tokens = await prompt_ids.prompt_ids(route.session, inst, path, body, headers, route.config.connect_timeout_s)
     route.metrics.leg_seconds.labels("tokenize").observe(time.perf_counter() - start)
@@ -88,12 +88,12 @@ async def _prefill(route: Route, inst: Instance, path: str, body: dict[str, Any]
                    headers: dict[str, str], plan: Plan | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     c = route.config
-    route.metrics.instance_requests.labels(inst.role, inst.url).inc()
+    route.metrics.instance_requests.labels(inst.role, inst.name).inc()
     try:
         answer = await call_prefill(route.session, inst, path, body, headers, c.prefill_timeout_s,
                                     c.connect_timeout_s, route.unreachable)
         if route.router is not None:
-            route.router.answered(inst.url, plan, answer)
+            route.router.answered(inst.name, plan, answer)
         return answer
     except ProxyError as e:
         if e.status >= 500:  # the instance's failure, not the client's: it is now the most recently failed
@@ -108,7 +108,7 @@ async def _decode(route: Route, inst: Instance, path: str, body: dict[str, Any],
     """The opened answer; a P/D request's 5xx is a ``TransferFault``. With ``retry-plain`` a stream's first event
     is read whole and judged before anything is passed on."""
     c = route.config
-    route.metrics.instance_requests.labels(inst.role, inst.url).inc()
+    route.metrics.instance_requests.labels(inst.role, inst.name).inc()
     had_params = "kv_transfer_params" in body
     judged = had_params and c.on_transfer_failure == "retry-plain"
     try:
@@ -158,7 +158,7 @@ async def _retry_plain(route: Route, fault: TransferFault, path: str, body: dict
     """Once, on a decode instance other than the one that failed while another is up, the client's own body."""
     route.metrics.errors.labels(fault.cause).inc()
     route.metrics.transfer_retries.labels(path, route.config.mode).inc()
-    inst = route.decode.acquire(avoid=fault.inst.url)
+    inst = route.decode.acquire(avoid=fault.inst.name)
     logger.warning("kvplane proxy: request %s: %s; retrying it once on decode %s without kv_transfer_params "
                    "(--on-transfer-failure retry-plain)", request_id, fault.message, inst.url)
     try:

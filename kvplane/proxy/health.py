@@ -22,20 +22,20 @@ def record(pool: InstancePool, metrics: ProxyMetrics, inst: Instance, why: str) 
     if pool.checked(inst, not why):
         if why:
             logger.warning("kvplane proxy: %s %s is out of rotation after %d failed health checks in a row: %s",
-                           inst.role, inst.url, pool.failures[inst.url], why)
+                           inst.role, inst.name, pool.failures[inst.name], why)
         else:
-            logger.info("kvplane proxy: %s %s is back up", inst.role, inst.url)
-    elif why and pool.up[inst.url]:
+            logger.info("kvplane proxy: %s %s is back up", inst.role, inst.name)
+    elif why and pool.up[inst.name]:
         logger.info("kvplane proxy: %s %s failed a health check (%d in a row; %d take it out of rotation): %s",
-                    inst.role, inst.url, pool.failures[inst.url], pool.health_failures, why)
-    metrics.instance_up.labels(inst.role, inst.url).set(1 if pool.up[inst.url] else 0)
+                    inst.role, inst.name, pool.failures[inst.name], pool.health_failures, why)
+    metrics.instance_up.labels(inst.role, inst.name).set(1 if pool.up[inst.name] else 0)
 
 
 def record_unreachable(pool: InstancePool, metrics: ProxyMetrics, inst: Instance, why: str) -> None:
     """A request could not connect to the instance: out of rotation at once, until a health check passes."""
     if pool.failed(inst, out=True):
-        logger.warning("kvplane proxy: %s %s is out of rotation: %s", inst.role, inst.url, why)
-    metrics.instance_up.labels(inst.role, inst.url).set(0)
+        logger.warning("kvplane proxy: %s %s is out of rotation: %s", inst.role, inst.name, why)
+    metrics.instance_up.labels(inst.role, inst.name).set(0)
 
 
 async def check(session: aiohttp.ClientSession, inst: Instance, timeout_s: float) -> str:

@@ -86,7 +86,8 @@ async def call_prefill(session: aiohttp.ClientSession, inst: Instance, path: str
                        unreachable: Unreachable) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_s)
     try:
-        async with session.post(f"{inst.url}{path}", json=body, headers=headers, timeout=timeout) as resp:
+        async with session.post(f"{inst.url}{path}", json=body, headers=headers | inst.headers,
+                                timeout=timeout) as resp:
             if resp.status != 200:
                 raise await _status_error("prefill", inst, path, resp)
             raw = await resp.read()
@@ -102,7 +103,8 @@ async def call_get(session: aiohttp.ClientSession, inst: Instance, path: str, he
     leg = inst.role
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_s)
     try:
-        async with session.get(f"{inst.url}{path}", headers=headers, timeout=timeout) as resp:
+        async with session.get(f"{inst.url}{path}", headers=headers | inst.headers,
+                                timeout=timeout) as resp:
             if resp.status != 200:
                 raise await _status_error(leg, inst, path, resp)
             raw = await resp.read()
@@ -133,7 +135,8 @@ async def open_decode(session: aiohttp.ClientSession, inst: Instance, path: str,
     streamed = bool(body.get("stream"))
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=timeout_s)
     try:
-        resp = await session.post(f"{inst.url}{path}", json=body, headers=headers, timeout=timeout)
+        resp = await session.post(f"{inst.url}{path}", json=body, headers=headers | inst.headers,
+                                timeout=timeout)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise _failure("decode", inst, path, e, timeout_s, unreachable, connect_s) from None
     try:

@@ -39,27 +39,27 @@ class InstancePool:
         self.instances = instances
         self.policy = policy
         self.health_failures = health_failures
-        self.up = {inst.url: True for inst in instances}
-        self.failures = {inst.url: 0 for inst in instances}  # failed health checks in a row
-        self.failed_at = {inst.url: 0 for inst in instances}  # the sequence number of its last failure, 0: never
-        self.outstanding = {inst.url: 0 for inst in instances}
+        self.up = {inst.name: True for inst in instances}
+        self.failures = {inst.name: 0 for inst in instances}  # failed health checks in a row
+        self.failed_at = {inst.name: 0 for inst in instances}  # the sequence number of its last failure, 0: never
+        self.outstanding = {inst.name: 0 for inst in instances}
         self._failures_seen = 0
         self._next = 0
 
     def pick(self, avoid: str = "", scores: Scores | None = None) -> Instance:
-        """The next instance. ``avoid`` (a URL) is skipped while another instance of the pool is a candidate: in
+        """The next instance. ``avoid`` (an ``Instance.name``) is skipped while another instance of the pool is a candidate: in
         rotation, or, with none up, any other. ``scores`` count with ``--policy kv-aware`` only."""
         n = len(self.instances)
         order = [self.instances[(self._next + i) % n] for i in range(n)]
-        healthy = [inst for inst in order if self.up[inst.url]]
-        candidates = [inst for inst in healthy or order if inst.url != avoid] or healthy or order
+        healthy = [inst for inst in order if self.up[inst.name]]
+        candidates = [inst for inst in healthy or order if inst.name != avoid] or healthy or order
         if not healthy:  # none up: still sent, to the least recently failed (ties: round-robin order)
-            chosen = min(candidates, key=lambda inst: self.failed_at[inst.url])
+            chosen = min(candidates, key=lambda inst: self.failed_at[inst.name])
         elif self.policy == "kv-aware" and scores is not None:
-            chosen = max(candidates, key=lambda inst: (value(scores.get(inst.url, 0.0), self.outstanding[inst.url]),
-                                                       -self.outstanding[inst.url]))  # ties: round-robin order
+            chosen = max(candidates, key=lambda inst: (value(scores.get(inst.name, 0.0), self.outstanding[inst.name]),
+                                                       -self.outstanding[inst.name]))  # ties: round-robin order
         elif self.policy in ("least-outstanding", "kv-aware"):
-            chosen = min(candidates, key=lambda inst: self.outstanding[inst.url])  # ties: round-robin order
+            chosen = min(candidates, key=lambda inst: self.outstanding[inst.name])  # ties: round-robin order
         else:
             chosen = candidates[0]
         self._next = (self.instances.index(chosen) + 1) % n
@@ -68,11 +68,11 @@ class InstancePool:
     def acquire(self, avoid: str = "", scores: Scores | None = None) -> Instance:
         """``pick``, counted as outstanding until ``release``."""
         inst = self.pick(avoid, scores)
-        self.outstanding[inst.url] += 1
+        self.outstanding[inst.name] += 1
         return inst
 
     def release(self, inst: Instance) -> None:
-        self.outstanding[inst.url] -= 1
+        self.outstanding[inst.name] -= 1
 
     @contextmanager
     def lease(self, avoid: str = "", scores: Scores | None = None) -> Iterator[Instance]:
@@ -86,20 +86,20 @@ class InstancePool:
         """Record a health check's result; True when the instance entered or left rotation."""
         if not ok:
             self._failed(inst)
-        was = self.up[inst.url]
-        self.up[inst.url], self.failures[inst.url] = after_check(was, self.failures[inst.url], ok,
+        was = self.up[inst.name]
+        self.up[inst.name], self.failures[inst.name] = after_check(was, self.failures[inst.name], ok,
                                                                  self.health_failures)
-        return self.up[inst.url] != was
+        return self.up[inst.name] != was
 
     def failed(self, inst: Instance, out: bool = False) -> bool:
         """Record a request that failed on the instance; ``out`` (it could not connect) takes it out of rotation at
         once. True when it left rotation."""
         self._failed(inst)
-        was = self.up[inst.url]
+        was = self.up[inst.name]
         if out:
-            self.up[inst.url] = False
-        return self.up[inst.url] != was
+            self.up[inst.name] = False
+        return self.up[inst.name] != was
 
     def _failed(self, inst: Instance) -> None:
         self._failures_seen += 1
-        self.failed_at[inst.url] = self._failures_seen
+        self.failed_at[inst.name] = self._failures_seen

@@ -45,7 +45,7 @@ class KvRouter:
     def from_config(cls, config: ProxyConfig, metrics: ProxyMetrics) -> KvRouter | None:
         if config.policy != "kv-aware":
             return None
-        feeds = [Feed(inst.url, inst.kv_events, inst.kv_events_replay, PrefixIndex(config.kv_index_entries),
+        feeds = [Feed(inst.name, inst.kv_events, inst.kv_events_replay, PrefixIndex(config.kv_index_entries),
                       Stream(bool(inst.kv_events_replay), config.kv_silence_s)) for inst in config.prefill]
         return cls(feeds, metrics)
 

@@ -3,7 +3,8 @@
 One port per behaviour ``B`` (the ready file maps each to its port):
 
 - ``ok`` (and ``ok2``, ``ok3``...): a valid completion (streamed when asked) whose text is the port, with ``kv_transfer_params`` and an
-  ``echo`` of the body and ``X-Request-Id`` it got; ``slow``: the same after 1 s;
+  ``echo`` of the body, ``X-Request-Id`` and ``X-data-parallel-rank`` it got (the params name the side channel
+  of that DP rank, port 5600 + rank, as a DP prefill with tp_size 1 answers); ``slow``: the same after 1 s;
 - ``fail``: HTTP 500 with a JSON error; ``reject``: HTTP 400 with a JSON error (the client's mistake, as vLLM
   answers a prompt longer than the model's context); ``garbage``: HTTP 200 with a body that is not JSON;
 - ``hang``: reads the request and never answers; ``reset``: resets the connection (RST) without answering;
@@ -80,9 +81,12 @@ def behaviour(kind: str, port: int) -> Any:
             await failed.write(f"data: {json.dumps(VLLM_ERROR)}\n\ndata: [DONE]\n\n".encode())
             await failed.write_eof()
             return failed
+        rank = int(request.headers.get("X-data-parallel-rank", "0"))  # as a DP prefill: that rank's side channel
         answer = {"id": "x", "object": "text_completion", "model": body.get("model"),
-                  "choices": [{"index": 0, "text": str(port)}], "kv_transfer_params": PARAMS,
-                  "echo": {"body": body, "x_request_id": request.headers.get("X-Request-Id")}}
+                  "choices": [{"index": 0, "text": str(port)}],
+                  "kv_transfer_params": {**PARAMS, "remote_port": PARAMS["remote_port"] + rank},
+                  "echo": {"body": body, "x_request_id": request.headers.get("X-Request-Id"),
+                           "dp_rank": request.headers.get("X-data-parallel-rank")}}
         if not body.get("stream"):
             return web.json_response(answer)
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
