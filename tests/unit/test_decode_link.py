@@ -184,3 +184,18 @@ def test_docs_carry_the_link_machines_table() -> None:
     assert block is not None, "docs/disagg.md: the link machine's table is missing"
     assert block.group(1) == transitions_table(), "docs/disagg.md: paste decode_link.transitions_table() in"
     assert len({(a, b) for a, _, b in TRANSITIONS}) == len(TRANSITIONS)
+
+
+def test_a_timeout_says_whether_the_answer_or_the_transport_never_came() -> None:
+    """Both ran out handshake_timeout_s under one message, "no answer to the handshake": a live 2P2D failure
+    could not tell a prefill that never answered from a transport connect that never ended."""
+    silent, engine = Link(TIMEOUT_S), EngineView(0, True)
+    silent.need(0.0, engine)
+    silent.tick(TIMEOUT_S + 1, engine)
+    assert f"no answer to handshake 1 within handshake_timeout_s={TIMEOUT_S}" in silent.error
+    stuck = Link(TIMEOUT_S)
+    stuck.need(0.0, engine)
+    stuck.answer(1.0, 1, None, engine)
+    assert stuck.checked(1.0) == [Probe()]
+    stuck.tick(TIMEOUT_S + 2, engine)
+    assert "answered, but connecting its transport did not end" in stuck.error and "no answer" not in stuck.error

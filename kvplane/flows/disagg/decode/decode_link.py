@@ -186,8 +186,11 @@ class Link:
             if self.phase is LinkPhase.DEFERRED:
                 return self._fail(now, "this rank's transfer engine did not start again after a reset within "
                                        f"handshake_timeout_s={self.handshake_timeout_s}")
-            return self._fail(now, f"no answer to the handshake within {self.handshake_timeout_s} s; is the "
-                                   f"prefill instance running and reachable?")
+            if self.phase is LinkPhase.PROBING:
+                return self._fail(now, f"the handshake was answered, but connecting its transport did not end within "
+                                       f"handshake_timeout_s={self.handshake_timeout_s}")
+            return self._fail(now, f"no answer to handshake {self.attempt} within handshake_timeout_s="
+                                   f"{self.handshake_timeout_s}; is the prefill instance running and reachable?")
         return []
 
     def retry(self, now: float, engine: EngineView) -> list[LinkAction]:
