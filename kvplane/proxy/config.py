@@ -10,7 +10,7 @@ command line, one ``--prefill`` per instance::
 (``side_channel`` defaults to the URL's host with no port, which pull mode does not need.) An instance that runs
 ``--data-parallel-size N`` (one API server over N engines) takes ``dp_size=N``: the proxy then routes to each DP
 rank as a target of its own (``Instance.ranks``), names it in vLLM's ``X-data-parallel-rank`` header, tells a
-push decode that rank's side channel (``port + dp_rank * tp_size``, where kvplane's DP ranks listen) and reads
+push decode that rank's engine id (``ID_dp<rank>``) and side channel (``port + dp_rank * tp_size``) and reads
 that rank's KV events (vLLM's endpoint port ``+ dp_rank``). ``--policy kv-aware
 needs, per prefill, the address of its vLLM KV-event publisher (``--kv-events-config``'s ``endpoint``, and its
 ``replay_endpoint`` to fill gaps)::
@@ -63,11 +63,12 @@ class Instance:
         return {} if self.dp_rank is None else {DP_HEADER: str(self.dp_rank)}
 
     def ranks(self) -> tuple[Instance, ...]:
-        """The routing targets of this instance: itself, or one per DP rank, each with that rank's side-channel
-        base port and KV-event endpoints (vLLM offsets a tcp endpoint's port by the rank)."""
+        """The routing targets of this instance: itself, or one per DP rank, each with that rank's engine id (vLLM
+        appends ``_dp<rank>``), side-channel base port and KV-event endpoints (vLLM offsets a tcp port by the rank)."""
         if self.dp_size == 1 or self.dp_rank is not None:
             return (self,)
-        return tuple(replace(self, dp_rank=r, side_port=self.side_port + r * self.tp_size if self.side_port else 0,
+        return tuple(replace(self, dp_rank=r, engine_id=f"{self.engine_id}_dp{r}" if self.engine_id else "",
+                             side_port=self.side_port + r * self.tp_size if self.side_port else 0,
                              kv_events=_offset(self.kv_events, r), kv_events_replay=_offset(self.kv_events_replay, r))
                      for r in range(self.dp_size))
 

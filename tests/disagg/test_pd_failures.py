@@ -343,16 +343,22 @@ def test_an_abort_during_a_pull_holds_the_blocks_until_the_read_has_drained(engi
         prefill.close()
 
 
-def test_block_ids_outside_the_cache_fail_the_request_and_never_report_a_partial_transfer() -> None:
+@pytest.mark.parametrize("prefill_blocks, bad", [(64, 999), (16, 40)], ids=["past-both", "past-the-prefill-only"])
+def test_block_ids_outside_the_cache_fail_the_request_and_never_report_a_partial_transfer(prefill_blocks: int,
+                                                                                         bad: int) -> None:
+    # past-the-prefill-only: a prefill (a DP rank) with fewer blocks than the decode answers an id the decode's
+    # cache could hold but its own cannot (vLLM PR 46106's overflow): the decode checks it against the prefill's
+    # manifest, not its own
     spec = small_spec()
-    prefill = make("prefill", spec, seed=2)
+    prefill = make("prefill", spec, seed=2, num_blocks=prefill_blocks)
     decode = make("decode", spec)
     try:
         params = prefill.side.request_finished("r", prefill.allocate(48), 48)
-        bad = msgspec.structs.replace(params, remote_block_ids=[[0, 1, 999]])
-        decode.side.start_pull("r", bad, decode.allocate(48))
+        bad_params = msgspec.structs.replace(params, remote_block_ids=[[0, 1, bad]])
+        decode.side.start_pull("r", bad_params, decode.allocate(48))
         done = decode.wait("r")
-        assert done.state == "failed" and "999" in done.reason
+        assert done.state == "failed" and f"block id {bad} is out of range" in done.reason
+        assert f"blocks 0..{prefill_blocks - 1}" in done.reason
         assert prefill.wait("r").state == "failed"  # the decode said the read failed: the blocks go back
     finally:
         decode.close()
