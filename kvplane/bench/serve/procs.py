@@ -1,7 +1,10 @@
 """Live server processes: `vllm serve` and `kvplane proxy` started as process groups, waited for, read and killed.
 
-Each `Server` is one process group, started with `start_new_session`, so `stop` and `kill` take vLLM's engine-core
-and worker children with it. A server is ready when `GET /health` answers 200; `wait_ready` fails at once, with
+Each `Server` is one process group (`process_group=0`), so `stop` and `kill` take vLLM's engine-core and worker
+children with it. It stays in the caller's session: a session of its own is a scheduler autogroup of its own
+(Linux `sched_autogroup`), and on 2 cores an idle vLLM worker's `sched_yield` spin then yields only inside its
+own group, while a worker pinned to the same core in another group got no CPU for minutes (a 2P2D decode's side
+channel went silent and its handshake was never answered). A server is ready when `GET /health` answers 200; `wait_ready` fails at once, with
 the log's tail, when the process exits first. Its deadline is generous (a loaded 2-core machine starts a server in
 minutes, a quiet one in under one): it only turns a hang into a failure. `metrics` reads `/metrics` into a flat
 dict and `delta` says what grew between two readings.
@@ -57,7 +60,7 @@ class Server:
         self.ready_s = 0.0
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=child_env,
-                                         start_new_session=True, cwd=log_dir)
+                                         process_group=0, cwd=log_dir)
 
     def tail(self, lines: int = 40) -> str:
         """The log's last ``lines``, after its first traceback (where vLLM's "see root cause above" points) when
