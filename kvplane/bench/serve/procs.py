@@ -1,6 +1,6 @@
 """Live server processes: `vllm serve` and `kvplane proxy` started as process groups, waited for, read and killed.
 
-Each `Server` is one process group (`process_group=0`), so `stop` and `kill` take vLLM's engine-core and worker
+Each `Server` is one process group (`process_group=0`; `setpgrp` before Python 3.11), so `stop` and `kill` take vLLM's engine-core and worker
 children with it. It stays in the caller's session: a session of its own is a scheduler autogroup of its own
 (Linux `sched_autogroup`), and on 2 cores an idle vLLM worker's `sched_yield` spin then yields only inside its
 own group, while a worker pinned to the same core in another group got no CPU for minutes (a 2P2D decode's side
@@ -29,6 +29,8 @@ from typing import Any
 READY_DEADLINE_S = 900.0
 CONNECTOR = {"kv_connector": "KVPlaneConnector", "kv_connector_module_path": "kvplane.integrations.vllm"}
 PROXY = [sys.executable, "-m", "kvplane.cli.main", "proxy"]
+# a process group of its own in the caller's session (see above)
+OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
 def free_port() -> int:
@@ -60,7 +62,7 @@ class Server:
         self.ready_s = 0.0
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=child_env,
-                                         process_group=0, cwd=log_dir)
+                                         cwd=log_dir, **OWN_GROUP)
 
     def tail(self, lines: int = 40) -> str:
         """The log's last ``lines``, after its first traceback (where vLLM's "see root cause above" points) when
