@@ -1,13 +1,15 @@
 """Live server processes: `vllm serve` and `kvplane proxy` started as process groups, waited for, read and killed.
 
-Each `Server` is one process group (`process_group=0`; `setpgrp` before Python 3.11), so `stop` and `kill` take vLLM's engine-core and worker
-children with it. It stays in the caller's session: a session of its own is a scheduler autogroup of its own
-(Linux `sched_autogroup`), and on 2 cores an idle vLLM worker's `sched_yield` spin then yields only inside its
-own group, while a worker pinned to the same core in another group got no CPU for minutes (a 2P2D decode's side
-channel went silent and its handshake was never answered). A server is ready when `GET /health` answers 200; `wait_ready` fails at once, with
-the log's tail, when the process exits first. Its deadline is generous (a loaded 2-core machine starts a server in
-minutes, a quiet one in under one): it only turns a hang into a failure. `metrics` reads `/metrics` into a flat
-dict and `delta` says what grew between two readings.
+Each `Server` is one process group (`process_group=0`; `setpgrp` before Python 3.11), so `stop` and `kill` take
+vLLM's engine-core and worker children with it. It stays in the caller's session: a session of its own is a
+scheduler autogroup of its own (Linux `sched_autogroup`), an idle vLLM worker's `sched_yield` spin yields only
+inside its group, and on 2 cores a 2P2D decode worker pinned beside another session's prefill worker got 0 ms of
+CPU in 5 s (its side channel went silent, its handshake was never answered).
+
+A server is ready when `GET /health` answers 200; `wait_ready` fails at once, with the log's tail, when the process
+exits first. Its deadline is generous (a loaded 2-core machine starts a server in minutes, a quiet one in under
+one): it only turns a hang into a failure. `metrics` reads `/metrics` into a flat dict and `delta` says what grew
+between two readings.
 """
 
 from __future__ import annotations
