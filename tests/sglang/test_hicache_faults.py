@@ -106,16 +106,17 @@ def test_a_killed_master_is_a_miss_and_a_failed_write_and_a_restarted_empty_one_
         assert tier.up, "the tier never came back on with the restarted master"
         assert backend.batch_exists(keys) == 0
         assert backend.batch_get_v1(keys, slots(pool, [4, 5, 6])) == [False] * 3
-        # the client reports healthy once its ping reaches the new master, and mounts its segment there on its
-        # next ping: a put in between is refused (-200, no segment) and the tier stays on (CI saw it once in many)
-        degradations = tier.degradations
+        # the client's health lags its master: it said healthy before its ping found the connection dead, then
+        # unreachable while it reconnected, and it mounts its segment on the new master after that. Puts meanwhile
+        # fail as misses (refused -200 with no segment, or not made while the tier is off: CI saw both); then the
+        # restarted master takes them
         for _ in range(240):
             taken = backend.batch_set_v1(later, slots(pool, [7, 8, 9]))
             if taken == [True] * 3:
                 break
-            assert tier.up and tier.degradations == degradations, (taken, tier.refused)
+            assert taken == [False] * 3, taken
             time.sleep(0.25)
-        assert taken == [True] * 3, "the restarted master never took a put"
+        assert taken == [True] * 3, f"the restarted master never took a put (refused {tier.refused})"
         assert backend.batch_get_v1(later, slots(pool, [10, 11, 12])) == [True] * 3
         size = pool.page_size
         assert [page_bytes(pool, p * size) for p in (10, 11, 12)] == [page_bytes(pool, p * size) for p in (7, 8, 9)]

@@ -18,7 +18,7 @@ def test_the_serve_rows_are_in_the_full_run_only_where_a_serving_python_is_found
     monkeypatch.setattr(rows, "serve_python", lambda: Path("/usr/bin/python3"))
     serve = [s for s in scenarios.full() if s.kind == "serve"]
     assert [s.name for s in serve] == [f"serve-pd-{m}-{e}" for e in rows.ENGINES for m in rows.MODES] + [
-        "serve-offload-hit"]
+        "serve-offload-hit", "serve-routing"]
     assert all(s.release is rows.release for s in serve)  # one group: the plain instance is shared
     assert not any(s.kind == "serve" for s in scenarios.default())
     assert [s.name for s in scenarios.select(["serve-offload-hit"], full_run=True)] == ["serve-offload-hit"]
