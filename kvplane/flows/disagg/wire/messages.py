@@ -25,7 +25,7 @@ before any handler sees it. A side checks block ids against the peer's pool size
 
 from __future__ import annotations
 
-from typing import Annotated, cast
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
@@ -138,6 +138,7 @@ def decode(data: bytes, max_bytes: int) -> Message:
     if len(data) > max_bytes:
         raise ProtocolError(f"message of {len(data)} B exceeds max_message_bytes={max_bytes}; dropped")
     try:
-        return cast(Message, _decoder.decode(data))
+        message: Message = _decoder.decode(data)  # typed as Message by msgspec >= 0.23, Any before
+        return message
     except (msgspec.MsgspecError, ValueError) as e:  # ValueError: invalid UTF-8 inside a string
         raise ProtocolError(f"malformed side-channel message ({len(data)} B): {e}") from None
