@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 from urllib.parse import urlsplit
 
+from kvplane.flows.disagg.wire.addresses import dp_base_port
 from kvplane.flows.disagg.wire.config import MODES, Mode
 from kvplane.proxy.errors import ProxyConfigError
 
@@ -68,7 +69,7 @@ class Instance:
         if self.dp_size == 1 or self.dp_rank is not None:
             return (self,)
         return tuple(replace(self, dp_rank=r, engine_id=f"{self.engine_id}_dp{r}" if self.engine_id else "",
-                             side_port=self.side_port + r * self.tp_size if self.side_port else 0,
+                             side_port=dp_base_port(self.side_port, r, self.tp_size),
                              kv_events=_offset(self.kv_events, r), kv_events_replay=_offset(self.kv_events_replay, r))
                      for r in range(self.dp_size))
 

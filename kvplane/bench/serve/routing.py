@@ -158,9 +158,9 @@ def run_policy(setup: XPyD, model: str, policy: str, convs: list[list[str]]) -> 
 
 
 def settled(prefills: list[Server], before: list[dict[str, float]], sent: int) -> dict[str, float]:
-    """The prefills' prompt tokens by source since ``before``, once they count the ``sent`` tokens: vLLM's API
-    server updates ``/metrics`` after it answered, so a reading right after the last answer missed that round's
-    tail and the next policy's counted it (prompt tokens 11,235 / 14,634 / 17,868 for the same workload)."""
+    """The prefills' prompt tokens by source since ``before``, once they count the ``sent`` tokens (vLLM's API
+    server may update ``/metrics`` after it answered), or at ``SETTLE_S``. The row compares the two: a count that
+    differs from ``sent`` means a prefill ran requests twice (it did when a proxy was given another as a decode)."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         by_source: dict[str, float] = {}
